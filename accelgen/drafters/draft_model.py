@@ -1,0 +1,106 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023).
+
+A smaller model with the same vocabulary drafts gamma tokens autoregressively; the target verifies them in
+one forward. The draft model keeps its own KV cache; before each proposal it is rolled back to the longest
+prefix it shares with the committed context, so rejected draft tokens are forgotten.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen.draft import Draft, Verdict
+from accelgen.models.runner import ModelRunner
+from accelgen.registry import MethodSpec, register
+from accelgen.sampling import SamplingConfig, logits_to_probs, sample
+
+GAMMA_SCHEDULES = ("constant", "heuristic")
+
+
+class DraftModelDrafter:
+    def __init__(
+        self,
+        draft_model,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        gamma: int = 5,
+        gamma_schedule: str = "constant",
+        max_gamma: int = 32,
+    ):
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        if gamma_schedule not in GAMMA_SCHEDULES:
+            raise ValueError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
+        self.runner = ModelRunner(draft_model)
+        self.sampling = sampling
+        self.generator = generator
+        self.gamma = gamma
+        self.gamma_schedule = gamma_schedule
+        self.max_gamma = max_gamma
+        self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
+
+    def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
+        # the draft model may have a shorter context than the target: draft less, or not at all
+        gamma = min(self.gamma, max_nodes, self.runner.max_positions - len(context))
+        if gamma <= 0:
+            return Draft.empty()
+        logits = self._catch_up(context.tolist())
+        tokens, probs = [], []
+        for step in range(gamma):
+            if self.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                step_probs = logits_to_probs(logits, self.sampling)
+                token = sample(step_probs, self.generator)
+                probs.append(step_probs)
+            tokens.append(token)
+            if step < gamma - 1:  # the last draft token needs no forward of its own
+                logits = self.runner.forward(torch.tensor([token]))[-1]
+                self.cached_tokens.append(token)
+        draft_probs = torch.stack(probs) if probs else None
+        return Draft.chain(torch.tensor(tokens), draft_probs)
+
+    def _catch_up(self, context: list[int]) -> torch.Tensor:
+        """Roll the draft cache back to what it shares with context, feed the rest; (vocab,) next-token logits."""
+        shared = 0
+        limit = min(len(self.cached_tokens), len(context) - 1)  # always feed at least the last token
+        while shared < limit and self.cached_tokens[shared] == context[shared]:
+            shared += 1
+        self.runner.keep(shared, [])
+        self.cached_tokens = list(context)
+        return self.runner.forward(torch.tensor(context[shared:]), last_only=True)[-1]
+
+    def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
+        if self.gamma_schedule == "heuristic":  # as HF assisted generation: grow on full acceptance, else shrink
+            if len(verdict.accepted) == len(draft):
+                self.gamma = min(self.gamma + 2, self.max_gamma)
+            else:
+                self.gamma = max(self.gamma - 1, 1)
+
+
+def check_vocabularies(target_model, draft_model) -> None:
+    target_vocab, draft_vocab = target_model.config.vocab_size, draft_model.config.vocab_size
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"draft model vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}); "
+            "speculative decoding needs a draft model with the same tokenizer"
+        )
+
+
+def _make(target_model, *, draft_model, sampling, generator, **options):
+    check_vocabularies(target_model, draft_model)
+    return DraftModelDrafter(draft_model, sampling, generator, **options)
+
+
+register(
+    MethodSpec(
+        name="speculative",
+        family="speculative",
+        lossless="distribution-exact",
+        paper="Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318",
+        summary="a small draft model proposes gamma tokens, the target verifies them in one forward",
+        make_drafter=_make,
+        needs=("draft_model",),
+        options={"gamma": 5, "gamma_schedule": "constant", "max_gamma": 32},
+    )
+)

@@ -1,0 +1,128 @@
+"""Load a causal LM and its tokenizer: an embedded default, a HF model id, a local folder or a .gguf file.
+
+GGUF files are dequantized by transformers once and cached as bf16 safetensors, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from accelgen.models.embedded import EMBEDDED_MODELS, remove_assembled
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+CACHE_DTYPE = torch.bfloat16
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $ACCELGEN_CACHE, else the user's cache folder."""
+    if env := os.environ.get("ACCELGEN_CACHE"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "accelgen"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def cached_model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def is_cached(name: str) -> bool:
+    return (cached_model_dir(name) / "config.json").is_file()
+
+
+def prepare_embedded(name: str) -> Path:
+    """Folder of the embedded model `name` as safetensors, assembling and converting it on first use."""
+    model = EMBEDDED_MODELS[name]
+    folder = cached_model_dir(name)
+    if not is_cached(name):
+        work_dir = cache_dir() / "gguf"
+        gguf_path = model.gguf_path(work_dir)
+        _convert_gguf(gguf_path, folder)
+        remove_assembled(work_dir, model)
+    return folder
+
+
+def prepare_gguf(path: Path) -> Path:
+    """Folder of a user's .gguf file as safetensors, keyed by path, size and modification time."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cached_model_dir(f"gguf-{path.stem}-{key}")
+    if not (folder / "config.json").is_file():
+        _convert_gguf(path, folder)
+    return folder
+
+
+def _convert_gguf(gguf_path: Path, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    print(f"accelgen: dequantizing {gguf_path.name} once (this takes a minute); caching in {folder}", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent,
+        gguf_file=gguf_path.name,
+        dtype=CACHE_DTYPE,
+        quantization_config=GgufConfig(dequantize=True),  # plain dense weights, whatever kernels are installed
+    )
+    # The weights are plain tensors now; without this the saved config would ask for GGUF again.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.replace(folder)
+    print(f"accelgen: cached {folder.name}", file=sys.stderr)
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype | None = None,
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Return (model, tokenizer) for an embedded name, a HF id, a local folder or a .gguf file.
+
+    dtype defaults to bfloat16 for embedded models and to the checkpoint's own dtype otherwise.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path in EMBEDDED_MODELS:
+        folder = prepare_embedded(name_or_path)
+        torch_dtype = torch_dtype or torch.bfloat16
+    elif name_or_path.endswith(".gguf"):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        folder = prepare_gguf(path)
+        torch_dtype = torch_dtype or torch.bfloat16
+    else:
+        folder = name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch_dtype or "auto", attn_implementation=attn_implementation
+    )
+    model.to(device).eval()
+    return model, tokenizer

@@ -1,0 +1,76 @@
+"""A narrow interface over one HF causal LM and its KV cache: the only place that calls the model.
+
+The runner holds the KV cache of a token sequence and extends it by a block of new tokens, either a causal
+chain or a tree given by an attention pattern, returning float32 logits per new token. After verification,
+`keep` rolls the cache back to the accepted tokens. Another runtime could implement the same few methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen import cache as kv
+
+
+class ModelRunner:
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        self.dtype = model.dtype
+        self.vocab_size = model.config.vocab_size
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.cache = kv.new_cache(model.config)
+
+    @property
+    def length(self) -> int:
+        """Number of positions held in the KV cache."""
+        return kv.cache_length(self.cache)
+
+    def reset(self) -> None:
+        self.cache = kv.new_cache(self.config)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Append token_ids (m,) after the cached positions and return their logits, (m, vocab) float32.
+
+        tree: None for a causal chain, else (m, m) bool, tree[r, c] = new token r may attend to new token c
+        (ancestors and itself); each token's position is then the cache length + its depth in the tree.
+        last_only: compute logits for the last token only, returning (1, vocab) (prefill, drafting).
+        """
+        start = self.length
+        m = token_ids.shape[0]
+        if tree is None:
+            positions = torch.arange(start, start + m)
+            mask = None  # the model builds its own causal mask over cache + new tokens
+        else:
+            positions = start + tree.sum(dim=-1) - 1  # depth = number of ancestors
+            mask = self._tree_mask(start, tree)
+        output = self.model(
+            input_ids=token_ids.to(self.device)[None],
+            position_ids=positions.to(self.device)[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        return output.logits[0].float()
+
+    def _tree_mask(self, start: int, tree: torch.Tensor) -> torch.Tensor:
+        """(1, 1, m, start + m) additive mask: every new token sees the whole cache, then its tree ancestors."""
+        m = tree.shape[0]
+        allowed = torch.cat([torch.ones(m, start, dtype=torch.bool), tree], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None].to(self.device)
+
+    def keep(self, prefix: int, rows: list[int]) -> None:
+        """Keep the first `prefix` cached positions, then the rows `rows` (increasing) of the last forward.
+
+        rows [0, 1, ..., k-1] is a crop; anything else (an accepted path through a tree) is gathered.
+        """
+        if rows == list(range(len(rows))):
+            kv.crop(self.cache, prefix + len(rows))
+        else:
+            keep = torch.cat([torch.arange(prefix), prefix + torch.tensor(rows, dtype=torch.long)])
+            kv.compact(self.cache, keep)

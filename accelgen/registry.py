@@ -1,0 +1,63 @@
+"""The registry of generation methods: name -> what it is, what it needs, how lossless it is, how to build it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+LOSSLESS_CLASSES = {
+    "greedy-exact": "identical tokens to greedy decoding; sampling not supported",
+    "distribution-exact": "identical tokens to greedy decoding, and samples from exactly the target distribution",
+    "lossy": "faster by design at some cost in agreement with the target; quality is measured",
+}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    family: str  # "baseline", "speculative", "early-exit", "parallel", ...
+    lossless: str  # a key of LOSSLESS_CLASSES
+    paper: str
+    summary: str
+    make_drafter: Callable  # (target_model, *, draft_model, sampling, generator, **options) -> Drafter
+    needs: tuple[str, ...] = ()  # e.g. ("draft_model",)
+    options: dict = field(default_factory=dict)  # option name -> default value
+
+    def __post_init__(self):
+        if self.lossless not in LOSSLESS_CLASSES:
+            raise ValueError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
+
+    def check_options(self, options: dict) -> dict:
+        """Defaults overlaid with the user's options; unknown option names are an error."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            known = ", ".join(sorted(self.options)) or "none"
+            raise ValueError(f"method {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
+        return {**self.options, **options}
+
+
+_METHODS: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    if spec.name in _METHODS:
+        raise ValueError(f"method {spec.name!r} is registered twice")
+    _METHODS[spec.name] = spec
+    return spec
+
+
+def get_method(name: str) -> MethodSpec:
+    _load_builtin_methods()
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available methods: {', '.join(sorted(_METHODS))}") from None
+
+
+def list_methods() -> list[MethodSpec]:
+    _load_builtin_methods()
+    return sorted(_METHODS.values(), key=lambda spec: (spec.family, spec.name))
+
+
+def _load_builtin_methods() -> None:
+    import accelgen.drafters  # noqa: F401  (each drafter module registers its methods on import)
