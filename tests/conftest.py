@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random models built here (fast, any shape) and the real SmolLM2-135M (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import accelgen
+
+torch.set_num_threads(2)
+
+
+def tiny_model(kind: str = "qwen2", seed: int = 0, vocab_size: int = 49152, layers: int = 2, max_positions: int = 512):
+    """A randomly initialised causal LM, fp32, with weights large enough that logits have clear argmaxes."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=2)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(model, tokenizer): the real SmolLM2-135M-Instruct in fp32."""
+    return accelgen.load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm):
+    """SmolLM2's tokenizer (vocab 49152), shared by the tiny models so that text can be decoded."""
+    return smollm[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_model("qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft():
+    """An unrelated random model of the same vocabulary: its drafts are (almost) never accepted."""
+    return tiny_model("llama", seed=1)
