@@ -25,6 +25,12 @@ def tiny_model(kind: str = "qwen2", seed: int = 0, vocab_size: int = 49152, laye
 
 
 @pytest.fixture(scope="session")
+def make_tiny_model():
+    """The tiny_model factory, for tests that need other shapes (import-mode=importlib: no `from conftest import`)."""
+    return tiny_model
+
+
+@pytest.fixture(scope="session")
 def smollm():
     """(model, tokenizer): the real SmolLM2-135M-Instruct in fp32."""
     return accelgen.load_model("smollm2-135m", dtype="float32")
