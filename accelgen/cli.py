@@ -144,6 +144,11 @@ def models(
     Console().print(f"cache folder: {cache_dir()} (set ACCELGEN_CACHE to move it)")
 
 
+from accelgen.bench.cli import register as _register_bench  # noqa: E402
+
+_register_bench(app)
+
+
 def main():
     app()
 

@@ -1,0 +1,117 @@
+"""Divergence audit: when a greedy method's tokens differ from the baseline's, was it a numerical near-tie or an error?
+
+At the first differing position the baseline's logits are recomputed by one plain forward without a cache over
+prompt + the baseline's tokens before that position. If both the baseline's token and the method's token are
+within a few units in the last place (ulps) of the best logit there, the two runs merely rounded a near-tie
+differently: a (k+1)-token verification forward, a split prefill or a different kernel order sums in another
+order. Otherwise the method picked a token the model clearly did not prefer: an error.
+
+Tolerance: TIE_ULPS ulps of the best logit's magnitude in the model's dtype. bfloat16 keeps 8 significant bits
+(7 stored), so a logit in [16, 32) is a multiple of 1/8 and 4 ulps is 0.5; float16 keeps 11 bits (4 ulps at
+16 is 1/16). The baseline, the method and the reference forward each round every layer's output independently,
+so one or two ulps of disagreement in the final logits is routine; four leaves room for that without excusing a
+token that is clearly worse. In float32 runs nothing is excused: any divergence is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+TIE_ULPS = 4
+SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11}  # including the implicit leading bit
+
+
+@dataclass(frozen=True)
+class Divergence:
+    position: int  # index into the new tokens of the first difference
+    baseline_token: int | None  # None when the baseline ended before this position
+    method_token: int | None
+    top1_token: int | None = None
+    top2_token: int | None = None
+    top1_logit: float | None = None
+    top2_logit: float | None = None
+    baseline_token_logit: float | None = None
+    method_token_logit: float | None = None
+    tolerance: float | None = None
+    classification: str = "error"  # "near-tie" or "error"
+    reason: str = ""
+
+    @property
+    def margin(self) -> float | None:
+        """Top-1 minus top-2 logit of the reference forward."""
+        return None if self.top1_logit is None else self.top1_logit - self.top2_logit
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "margin": self.margin}
+
+
+def first_difference(baseline: list[int], other: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter end); None if equal."""
+    for position, (a, b) in enumerate(zip(baseline, other)):
+        if a != b:
+            return position
+    return None if len(baseline) == len(other) else min(len(baseline), len(other))
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """Spacing of representable numbers of dtype around value."""
+    _, exponent = math.frexp(abs(value))  # abs(value) = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return 2.0 ** (exponent - SIGNIFICAND_BITS[dtype])
+
+
+def tie_tolerance(dtype: torch.dtype, magnitude: float) -> float | None:
+    """How far below the best logit a token may be and still count as tied; None: nothing is a tie (float32)."""
+    if dtype not in SIGNIFICAND_BITS:
+        return None
+    return TIE_ULPS * ulp(magnitude, dtype)
+
+
+def classify(reference_logits: torch.Tensor, position: int, baseline_token: int, method_token: int,
+             dtype: torch.dtype) -> Divergence:
+    """Judge one divergence from the reference logits (vocab,) at the first differing position."""
+    top = torch.topk(reference_logits.float(), 2)
+    top1, top2 = float(top.values[0]), float(top.values[1])
+    baseline_logit = float(reference_logits[baseline_token])
+    method_logit = float(reference_logits[method_token])
+    tolerance = tie_tolerance(dtype, top1)
+    gap = top1 - min(baseline_logit, method_logit)  # how far the worse of the two is below the best
+    if tolerance is None:
+        classification, reason = "error", f"{dtype_name(dtype)} run: any divergence is an error"
+    elif gap <= tolerance:
+        classification, reason = "near-tie", f"both tokens within {gap:.4g} of the best logit (tolerance {tolerance:.4g})"
+    else:
+        classification, reason = "error", f"a token is {gap:.4g} below the best logit (tolerance {tolerance:.4g})"
+    return Divergence(position, baseline_token, method_token, int(top.indices[0]), int(top.indices[1]), top1, top2,
+                      baseline_logit, method_logit, tolerance, classification, reason)
+
+
+@torch.inference_mode()
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """(vocab,) float32 next-token logits after token_ids, from one forward without a KV cache."""
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+    output = model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    return output.logits[0, -1].float().cpu()
+
+
+def audit(model, prompt_ids: list[int], baseline_tokens: list[int], method_tokens: list[int]) -> Divergence | None:
+    """The first divergence of method_tokens from baseline_tokens, classified; None if they are identical."""
+    position = first_difference(baseline_tokens, method_tokens)
+    if position is None:
+        return None
+    if position >= len(baseline_tokens) or position >= len(method_tokens):
+        ended = "baseline" if position >= len(baseline_tokens) else "method"
+        return Divergence(position, at(baseline_tokens, position), at(method_tokens, position),
+                          reason=f"the {ended} stopped earlier with the same tokens before it")
+    logits = reference_logits(model, prompt_ids + baseline_tokens[:position])
+    return classify(logits, position, baseline_tokens[position], method_tokens[position], model.dtype)
+
+
+def at(tokens: list[int], position: int) -> int | None:
+    return tokens[position] if position < len(tokens) else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,276 @@
+"""What the benchmark runs: Hugging Face's own generate() variants (the baseline and its peers) and every
+registered accelgen method, each timed the same way on the same pre-tokenized prompt.
+
+One run returns a record: the new tokens, the wall time around the call, and what can honestly be said about
+its target forwards. For accelgen methods that is the loop's own stats; for HF's generate() a forward
+pre-hook on the target counts its forwards and reads the KV-cache length at each one, from which the tokens
+committed per forward follow (HF keeps the same invariant as accelgen: every committed token is cached except
+the newest).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import accelgen
+from accelgen.generate import eos_token_ids
+
+BASELINE = "hf-greedy"
+LOSSLESS = ("greedy-exact", "distribution-exact")
+
+
+@dataclass(frozen=True)
+class BenchMethod:
+    name: str
+    source: str  # "hf" (a transformers generate() variant) or "accelgen" (a registered method)
+    family: str
+    lossless: str  # a key of accelgen.registry.LOSSLESS_CLASSES
+    needs: tuple[str, ...] = ()
+    options: dict = field(default_factory=dict)  # option name -> default value
+    summary: str = ""
+
+    @property
+    def claims_lossless(self) -> bool:
+        return self.lossless in LOSSLESS
+
+    def check_options(self, options: dict) -> dict:
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            known = ", ".join(sorted(self.options)) or "none"
+            raise ValueError(f"method {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
+        return {**self.options, **options}
+
+
+# HF's defaults for these options, written out so the report shows the values used.
+HF_METHODS = {
+    BASELINE: BenchMethod(BASELINE, "hf", "baseline", "distribution-exact",
+                          summary="transformers model.generate(do_sample=False): the speedup denominator"),
+    "hf-assisted": BenchMethod(
+        "hf-assisted", "hf", "speculative", "distribution-exact", needs=("draft_model",),
+        options={"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4},
+        summary="transformers generate(assistant_model=draft)",
+    ),
+    "hf-prompt-lookup": BenchMethod(
+        "hf-prompt-lookup", "hf", "speculative", "distribution-exact",
+        options={"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2},
+        summary="transformers generate(prompt_lookup_num_tokens=10)",
+    ),
+}
+
+
+def available_methods() -> dict[str, BenchMethod]:
+    """HF peers and every registered accelgen method, by name."""
+    methods = dict(HF_METHODS)
+    for spec in accelgen.list_methods():
+        if spec.name in methods:
+            raise ValueError(f"accelgen method {spec.name!r} clashes with a benchmark baseline name")
+        methods[spec.name] = BenchMethod(spec.name, "accelgen", spec.family, spec.lossless, tuple(spec.needs),
+                                         dict(spec.options), spec.summary)
+    return methods
+
+
+def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
+    """Needs neither provided by the run (e.g. a draft model) nor given as an option of the same name."""
+    return [need for need in method.needs if need not in resources and need not in options]
+
+
+def resolve_methods(
+    names: list[str] | None,
+    resources: set[str],
+    temperature: float,
+    options: dict[str, dict] | None = None,
+) -> tuple[list[BenchMethod], list[str]]:
+    """The methods to run, hf-greedy first, and notes on what was added or skipped.
+
+    names None: every method whose needs are met (and that can sample, when temperature > 0).
+    Named methods that cannot run are an error, as are options for methods not in the run.
+    """
+    options = options or {}
+    methods = available_methods()
+    notes = []
+    if names is None:
+        chosen = []
+        for method in methods.values():
+            unmet = unmet_needs(method, resources, options.get(method.name, {}))
+            if unmet:
+                notes.append(f"skipping {method.name}: needs {', '.join(unmet)}")
+            elif temperature > 0 and method.lossless == "greedy-exact":
+                notes.append(f"skipping {method.name}: greedy only")
+            else:
+                chosen.append(method)
+    else:
+        unknown = [name for name in names if name not in methods]
+        if unknown:
+            raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; available: {', '.join(methods)}")
+        chosen = [methods[name] for name in dict.fromkeys(names)]
+        for method in chosen:
+            unmet = unmet_needs(method, resources, options.get(method.name, {}))
+            if unmet:
+                hint = " (pass --draft)" if "draft_model" in unmet else ""
+                raise ValueError(f"method {method.name!r} needs {', '.join(unmet)}{hint}")
+            if temperature > 0 and method.lossless == "greedy-exact":
+                raise ValueError(f"method {method.name!r} supports greedy decoding only (temperature 0)")
+        if BASELINE not in names:
+            chosen.insert(0, methods[BASELINE])
+            notes.append(f"added {BASELINE}: every speedup is measured against it")
+    chosen.sort(key=lambda method: method.name != BASELINE)  # stable: baseline first, the rest as given
+    stray = sorted(set(options) - {method.name for method in chosen})
+    if stray:
+        raise ValueError(f"options given for {', '.join(map(repr, stray))}, which is not among the methods run")
+    return chosen, notes
+
+
+def run_method(
+    method: BenchMethod,
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    *,
+    draft_model,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    options: dict,
+) -> dict:
+    """Generate once and time it; a record of new tokens, seconds and forward statistics."""
+    if method.source == "hf":
+        return run_hf(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
+                      temperature=temperature, seed=seed, options=options)
+    return run_accelgen(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed, options=options)
+
+
+def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
+    needs_draft = "draft_model" in method.needs
+    started = time.perf_counter()
+    result = accelgen.generate(model, tokenizer, prompt_ids, method=method.name,
+                               draft_model=draft_model if needs_draft else None, max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, **options)
+    seconds = time.perf_counter() - started
+    stats = result.stats
+    return {
+        "token_ids": list(result.token_ids),
+        "new_tokens": len(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "seconds": seconds,
+        "target_forwards": stats["target_forwards"],
+        "committed_per_step": [accepted + 1 for accepted in stats["accepted_per_step"]],
+        "draft_tokens": stats["draft_tokens"],
+        "accepted_draft_tokens": stats["accepted_draft_tokens"],
+        "draft_seconds": stats["draft_seconds"],
+    }
+
+
+def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    kwargs = hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options)
+    draft_timer = ForwardTimer(kwargs["assistant_model"]) if "assistant_model" in kwargs else None
+    counter = ForwardCounter(model)
+    torch.manual_seed(seed)  # HF samples from torch's global generator
+    try:
+        started = time.perf_counter()
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        seconds = time.perf_counter() - started
+    finally:
+        counter.remove()
+        if draft_timer:
+            draft_timer.remove()
+    token_ids = output[0, len(prompt_ids):].tolist()
+    eos = kwargs["eos_token_id"]
+    return {
+        "token_ids": token_ids,
+        "new_tokens": len(token_ids),
+        "finish_reason": "stop" if token_ids and token_ids[-1] in eos else "length",
+        "seconds": seconds,
+        "target_forwards": counter.forwards,
+        "committed_per_step": counter.committed_per_step(len(prompt_ids), len(token_ids)),
+        "draft_tokens": None,  # HF does not report how many tokens it drafted
+        "accepted_draft_tokens": None,
+        "draft_seconds": draft_timer.seconds if draft_timer else None,
+    }
+
+
+def hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options) -> dict:
+    eos = sorted(eos_token_ids(model, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)  # plain sampling, like accelgen's
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    if method.name == "hf-assisted":
+        kwargs["assistant_model"] = assistant_with_options(draft_model, options)
+    elif method.name == "hf-prompt-lookup":
+        kwargs.update(options)
+    return kwargs
+
+
+def assistant_with_options(draft_model, options: dict):
+    """A shallow copy of the draft model (weights shared) with its own generation config holding the assisted
+    generation options: HF reads them from the assistant and may write them back ("heuristic" schedule), so a
+    fresh copy per call keeps prompts independent and leaves the caller's model untouched."""
+    assistant = copy.copy(draft_model)
+    assistant.generation_config = copy.deepcopy(draft_model.generation_config)
+    for name, value in options.items():
+        setattr(assistant.generation_config, name, value)
+    return assistant
+
+
+# A shallow copy of a module shares its hook dictionaries, so a hook set on the target also fires for an assistant
+# copied from the same model object; each hook below therefore checks which module is running.
+
+
+class ForwardCounter:
+    """Counts a model's forwards and notes the KV-cache length each one starts from."""
+
+    def __init__(self, model):
+        self.model = model
+        self.forwards = 0
+        self.cache_lengths: list[int | None] = []
+        self._handle = model.register_forward_pre_hook(self._before, with_kwargs=True)
+
+    def _before(self, module, args, kwargs):
+        if module is not self.model:
+            return
+        self.forwards += 1
+        cache = kwargs.get("past_key_values")
+        self.cache_lengths.append(cache.get_seq_length() if hasattr(cache, "get_seq_length") else None)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def committed_per_step(self, prompt_length: int, new_tokens: int) -> list[int] | None:
+        """Tokens committed by each forward: forward i (i >= 1) starts with the newest committed token uncached,
+        so the sequence held prompt + ... up to cache_length + 1 tokens then. None if the cache was not seen."""
+        later = self.cache_lengths[1:]
+        if not self.forwards or any(length is None for length in later):
+            return None
+        boundaries = [prompt_length] + [length + 1 for length in later] + [prompt_length + new_tokens]
+        steps = [end - start for start, end in zip(boundaries, boundaries[1:])]
+        return steps if all(step >= 1 for step in steps) else None
+
+
+class ForwardTimer:
+    """Total wall time spent inside a model's forwards (the draft model's share of an HF assisted run)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.seconds = 0.0
+        self._started = 0.0
+        self._handles = [model.register_forward_pre_hook(self._before), model.register_forward_hook(self._after)]
+
+    def _before(self, module, args):
+        if module is self.model:
+            self._started = time.perf_counter()
+
+    def _after(self, module, args, output):
+        if module is self.model:
+            self.seconds += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,143 @@
+"""Metrics over benchmark records: speedup against the baseline, τ, acceptance, draft share, identical output,
+and the Leviathan et al. prediction for draft-model speculation. Pure functions of plain dicts.
+
+A record is one (prompt, method) run: prompt_id, category, method, new_tokens, seconds, token_ids,
+target_forwards, committed_per_step, draft_tokens, accepted_draft_tokens, draft_seconds (None when unknown).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import fmean
+
+from accelgen.bench.methods import BASELINE
+
+OVERALL = "overall"
+
+
+def compare_with_baseline(records: list[dict], greedy: bool) -> list[dict]:
+    """Records with `speedup` (baseline seconds / own seconds, same prompt) and `identical` (token-exact with
+    the baseline; None for sampling runs or without a baseline record) added."""
+    baseline = {r["prompt_id"]: r for r in records if r["method"] == BASELINE}
+    compared = []
+    for record in records:
+        base = baseline.get(record["prompt_id"])
+        speedup = base["seconds"] / record["seconds"] if base and record["seconds"] > 0 else None
+        identical = (record["token_ids"] == base["token_ids"]) if base and greedy else None
+        compared.append({**record, "speedup": speedup, "identical": identical})
+    return compared
+
+
+def summarize(records: list[dict]) -> dict:
+    """Aggregates of one method's compared records (one scope: a category or overall)."""
+    seconds = sum(r["seconds"] for r in records)
+    new_tokens = sum(r["new_tokens"] for r in records)
+    with_speedup = [r for r in records if r["speedup"] is not None]
+    baseline_seconds = sum(r["seconds"] * r["speedup"] for r in with_speedup)
+    own_seconds = sum(r["seconds"] for r in with_speedup)
+    compared = [r for r in records if r["identical"] is not None]
+    return {
+        "prompts": len(records),
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else None,
+        "speedup_total": baseline_seconds / own_seconds if own_seconds > 0 else None,
+        "speedup_geomean": geometric_mean([r["speedup"] for r in with_speedup]),
+        "tau": ratio(records, "new_tokens", "target_forwards"),
+        "acceptance_rate": ratio(records, "accepted_draft_tokens", "draft_tokens"),
+        "draft_share": ratio(records, "draft_seconds", "seconds"),
+        "compared": len(compared),
+        "identical": sum(1 for r in compared if r["identical"]),
+        "mismatched_prompts": [r["prompt_id"] for r in compared if not r["identical"]],
+        "alpha_per_token": None,  # filled in by aggregate() where a constant draft length is known
+    }
+
+
+def aggregate(records: list[dict], method_order: list[str], gammas: dict[str, int] | None = None) -> dict:
+    """{scope: {method: summary}} for OVERALL and every category, methods in method_order.
+
+    gammas: method -> constant draft length, for the per-token acceptance estimate."""
+    gammas = gammas or {}
+    categories = list(dict.fromkeys(r["category"] for r in records))
+    scopes = {OVERALL: records, **{c: [r for r in records if r["category"] == c] for c in categories}}
+    result = {}
+    for scope, scoped in scopes.items():
+        result[scope] = {}
+        for method in method_order:
+            own = [r for r in scoped if r["method"] == method]
+            if not own:
+                continue
+            summary = summarize(own)
+            if method in gammas:
+                summary["alpha_per_token"] = per_token_acceptance(own, gammas[method])
+            result[scope][method] = summary
+    return result
+
+
+def ratio(records: list[dict], numerator: str, denominator: str) -> float | None:
+    """sum(numerator) / sum(denominator), or None if any record lacks either."""
+    if any(r.get(numerator) is None or r.get(denominator) is None for r in records):
+        return None
+    total = sum(r[denominator] for r in records)
+    return sum(r[numerator] for r in records) / total if total else None
+
+
+def geometric_mean(values: list[float]) -> float | None:
+    positive = [v for v in values if v and v > 0]
+    return math.exp(fmean(math.log(v) for v in positive)) if positive else None
+
+
+def per_token_acceptance(records: list[dict], gamma: int) -> float | None:
+    """Estimate of α, the chance that one drafted token is accepted, from accepted counts per step.
+
+    Each step drafts gamma tokens and accepts them until the first rejection, so a step contributes its
+    accepted tokens as successes and one failure unless all gamma were accepted: α ≈ A / (A + R). (The plain
+    acceptance rate, accepted / drafted, counts the tokens after a rejection as failures too and so
+    underestimates α.) A record's last step is left out: max_new_tokens or an EOS may have cut it short.
+    """
+    accepted = rejections = 0
+    for record in records:
+        for committed in (record.get("committed_per_step") or [])[:-1]:
+            accepted += committed - 1
+            rejections += committed - 1 < gamma
+    return accepted / (accepted + rejections) if accepted + rejections else None
+
+
+def expected_tokens_per_forward(alpha: float, gamma: int) -> float:
+    """Leviathan et al. (2023), eq. 1: E = (1 − α^(γ+1)) / (1 − α) tokens per target forward."""
+    if alpha >= 1:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al. (2023), theorem 3.8: S = E / (γc + 1), c = draft forward time / target forward time."""
+    return expected_tokens_per_forward(alpha, gamma) / (gamma * cost_ratio + 1)
+
+
+def theory_check(overall: dict, method: str, gamma: int, cost_ratio: float | None) -> list[dict]:
+    """Predicted τ and speedup from each α estimate, beside what was measured for `method`."""
+    summary = overall.get(method)
+    if summary is None or cost_ratio is None:
+        return []
+    reference = overall.get("autoregressive")
+    measured_vs_autoregressive = None
+    if reference and summary["tokens_per_second"] and reference["tokens_per_second"]:
+        measured_vs_autoregressive = summary["tokens_per_second"] / reference["tokens_per_second"]
+    rows = []
+    for source, alpha in (("acceptance rate", summary["acceptance_rate"]), ("per-token estimate", summary["alpha_per_token"])):
+        if alpha is None:
+            continue
+        rows.append({
+            "method": method,
+            "alpha_source": source,
+            "alpha": alpha,
+            "gamma": gamma,
+            "cost_ratio": cost_ratio,
+            "predicted_tau": expected_tokens_per_forward(alpha, gamma),
+            "measured_tau": summary["tau"],
+            "predicted_speedup": predicted_speedup(alpha, gamma, cost_ratio),
+            "measured_speedup_vs_baseline": summary["speedup_total"],
+            "measured_speedup_vs_autoregressive": measured_vs_autoregressive,
+        })
+    return rows

@@ -1,0 +1,67 @@
+"""PNG plots of a benchmark run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from accelgen.bench.methods import BASELINE  # noqa: E402
+from accelgen.bench.metrics import OVERALL  # noqa: E402
+
+
+def speedup_plot(aggregates: dict, methods: list[str], path: Path) -> Path:
+    """Grouped bars: total-time speedup vs the baseline, one group per category (and overall), one bar per method."""
+    scopes = [s for s in aggregates if s != OVERALL]
+    scopes = ([OVERALL] + scopes) if len(scopes) > 1 else [OVERALL]
+    shown = [m for m in methods if m != BASELINE]
+    width = 0.8 / max(len(shown), 1)
+    x = np.arange(len(scopes))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(scopes) * max(len(shown), 1) + 2), 4.5))
+    for i, method in enumerate(shown):
+        values = [(aggregates[s].get(method) or {}).get("speedup_total") or 0.0 for s in scopes]
+        bars = ax.bar(x + (i - (len(shown) - 1) / 2) * width, values, width, label=method)
+        ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in values], fontsize=7, padding=1)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(x, scopes, rotation=30 if len(scopes) > 4 else 0, ha="right" if len(scopes) > 4 else "center")
+    ax.set_ylabel(f"speedup vs {BASELINE} (total time ratio)")
+    ax.set_title("Speedup per category")
+    if shown:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tau_plot(records: list[dict], methods: list[str], path: Path) -> Path:
+    """One histogram per method given: how many tokens each target forward committed (accepted + 1).
+    Methods without per-forward data are left out."""
+    steps = {m: [s for r in records if r["method"] == m for s in (r.get("committed_per_step") or [])] for m in methods}
+    shown = [m for m in methods if steps[m]]
+    columns = min(3, max(len(shown), 1))
+    rows = max(1, -(-len(shown) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3 * rows), squeeze=False)
+    for ax, method in zip(axes.flat, shown):
+        values = steps[method]
+        bins = np.arange(0.5, max(values) + 1.5)
+        ax.hist(values, bins=bins, color="tab:blue", edgecolor="white")
+        ax.set_title(f"{method} (τ = {np.mean(values):.2f})", fontsize=9)
+        ax.set_xlabel("tokens per target forward")
+        ax.set_ylabel("forwards")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    if not shown:
+        axes.flat[0].text(0.5, 0.5, "no drafting method with per-forward data", ha="center", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+

@@ -1,0 +1,241 @@
+"""Render a benchmark folder: results.json, report.md and the plots, from run.json + records.jsonl + audits.jsonl.
+
+Rendering needs no model, so `accelgen bench-report` can redo it at any time, also for an interrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from accelgen.bench import metrics, plots
+from accelgen.bench.methods import BASELINE, LOSSLESS
+from accelgen.bench.runner import AUDITS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
+
+RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
+SPEEDUP_PLOT, TAU_PLOT = "speedup.png", "tau.png"
+
+
+def render(out_dir: Path) -> dict:
+    """Write results.json, report.md, speedup.png and tau.png into out_dir; returns the results."""
+    out_dir = Path(out_dir)
+    run_file = out_dir / RUN_FILE
+    if not run_file.exists():
+        raise FileNotFoundError(f"{out_dir} is not a benchmark folder: it has no {RUN_FILE}")
+    run_info = json.loads(run_file.read_text())
+    results = build_results(run_info, read_jsonl(out_dir / RECORDS_FILE), read_jsonl(out_dir / AUDITS_FILE))
+    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1) + "\n")
+    methods = results["config"]["methods"]
+    plots.speedup_plot(results["aggregates"], methods, out_dir / SPEEDUP_PLOT)
+    drafting = [m for m in methods if results["methods"][m]["family"] != "baseline"]
+    plots.tau_plot(results["records"], drafting, out_dir / TAU_PLOT)
+    (out_dir / REPORT_FILE).write_text(markdown(results))
+    return results
+
+
+def build_results(run_info: dict, records: list[dict], audits: list[dict]) -> dict:
+    config = run_info["config"]
+    greedy = config["temperature"] == 0
+    compared = metrics.compare_with_baseline(records, greedy)
+    gammas = theory_gammas(run_info)
+    aggregates = metrics.aggregate(compared, config["methods"], gammas)
+    cost_ratio = run_info["cost"]["cost_ratio"]
+    theory = [row for method, gamma in gammas.items()
+              for row in metrics.theory_check(aggregates.get(metrics.OVERALL, {}), method, gamma, cost_ratio)]
+    return {
+        "metadata": run_info["metadata"],
+        "resumed": run_info.get("resumed", []),
+        "config": config,
+        "methods": run_info["methods"],
+        "cost": run_info["cost"],
+        "aggregates": aggregates,
+        "theory": theory,
+        "audits": audits,
+        "warnings": lossless_warnings(aggregates, run_info["methods"], audits) if greedy else [],
+        "records": compared,
+    }
+
+
+def theory_gammas(run_info: dict) -> dict[str, int]:
+    """Draft-model methods with a constant draft length: the ones Leviathan et al.'s formula describes."""
+    gammas = {}
+    for name, info in run_info["methods"].items():
+        options = run_info["config"]["options"].get(name, {})
+        if (info["source"] == "accelgen" and "draft_model" in info.get("needs", []) and "gamma" in options
+                and options.get("gamma_schedule", "constant") == "constant"):
+            gammas[name] = options["gamma"]
+    return gammas
+
+
+def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> list[dict]:
+    """One warning per method that claims lossless greedy output but differs from the baseline somewhere."""
+    warnings = []
+    for name, summary in aggregates.get(metrics.OVERALL, {}).items():
+        info = methods[name]
+        if name == BASELINE or info["lossless"] not in LOSSLESS or not summary["mismatched_prompts"]:
+            continue
+        verdicts = {a["prompt_id"]: a["classification"] for a in audits if a["method"] == name}
+        errors = [p for p in summary["mismatched_prompts"] if verdicts.get(p) == "error"]
+        ties = [p for p in summary["mismatched_prompts"] if verdicts.get(p) == "near-tie"]
+        unaudited = [p for p in summary["mismatched_prompts"] if p not in verdicts]
+        warnings.append({
+            "method": name,
+            "source": info["source"],
+            "mismatched": len(summary["mismatched_prompts"]),
+            "compared": summary["compared"],
+            "errors": errors,
+            "near_ties": ties,
+            "unaudited": unaudited,
+            "severity": "error" if errors or unaudited else "near-tie",
+        })
+    return warnings
+
+
+# --- markdown -----------------------------------------------------------------------------------------------
+
+SUMMARY_COLUMNS = ("method", "lossless", "prompts", "new tokens", "time (s)", "tokens/s", "speedup (total)",
+                   "speedup (geomean)", "τ", "acceptance", "draft share", "identical")
+
+
+def markdown(results: dict) -> str:
+    config = results["config"]
+    greedy = config["temperature"] == 0
+    lines = [f"# Benchmark: {config['dataset']} on {config['model']}" + (f" (draft {config['draft']})" if config["draft"] else ""), ""]
+    lines += run_description(results)
+    if results["warnings"]:
+        lines += ["## ⚠ Lossless check", ""] + [warning_line(w) for w in results["warnings"]] + [""]
+    scopes = list(results["aggregates"])
+    for scope in scopes:
+        if scope != metrics.OVERALL and len(scopes) == 2:
+            continue  # one category: its table would repeat the overall one
+        lines += [f"## {'Overall' if scope == metrics.OVERALL else 'Category: ' + scope}", ""]
+        lines += summary_table(results["aggregates"][scope], results["methods"], greedy) + [""]
+    if greedy:
+        lines += audit_section(results["audits"])
+    lines += theory_section(results)
+    cost = results["cost"]
+    lines += ["## Forward costs", "", f"One single-token forward with the first prompt cached, median of a few: target "
+              f"{ms(cost['target_forward_seconds'])}" + (f", draft {ms(cost['draft_forward_seconds'])}, c = {cost['cost_ratio']:.3f}"
+                                                         if cost["cost_ratio"] is not None else ""), ""]
+    lines += ["## Plots", "", f"![speedup per category]({SPEEDUP_PLOT})", "", f"![tokens per target forward]({TAU_PLOT})", ""]
+    lines += legend(greedy)
+    return "\n".join(lines)
+
+
+def run_description(results: dict) -> list[str]:
+    config, meta = results["config"], results["metadata"]
+    machine, versions = meta["machine"], meta["versions"]
+    lines = [
+        f"- command: `{meta['command']}`" if meta.get("command") else "- command: (called from Python)",
+        f"- date: {meta['date']}" + (f" (resumed {len(results['resumed'])}×)" if results["resumed"] else ""),
+        f"- machine: {machine['cpu']}, {machine['logical_cores']} logical cores, {machine['torch_threads']} torch threads, {machine['system']}",
+        f"- versions: accelgen {versions['accelgen']}, torch {versions['torch']}, transformers {versions['transformers']}, python {machine['python']}",
+        f"- dtype: {meta['dtype']}" + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") else ""),
+        f"- max_new_tokens {config['max_new_tokens']}, temperature {config['temperature']}, seed {config['seed']}, "
+        f"prompt format {config['prompt_format']}, prompts done: {prompt_count(results)}",
+        "- methods: " + ", ".join(f"{m}" + option_text(config["options"].get(m, {})) for m in config["methods"]),
+        "",
+    ]
+    return lines
+
+
+def prompt_count(results: dict) -> int:
+    return len({r["prompt_id"] for r in results["records"]})
+
+
+def option_text(options: dict) -> str:
+    return f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""
+
+
+def warning_line(warning: dict) -> str:
+    name, counts = warning["method"], f"{warning['mismatched']} of {warning['compared']} prompts"
+    if warning["severity"] == "near-tie":
+        return f"- {name}: differs from {BASELINE} on {counts}, every one a numerical near-tie (see the audit)."
+    who = "**LOSSLESS VIOLATION**" if warning["source"] == "accelgen" else "**peer mismatch** (transformers)"
+    parts = [f"errors on {', '.join(warning['errors'])}" if warning["errors"] else "",
+             f"near-ties on {', '.join(warning['near_ties'])}" if warning["near_ties"] else "",
+             f"not audited: {', '.join(warning['unaudited'])}" if warning["unaudited"] else ""]
+    return f"- {who} {name}: differs from {BASELINE} on {counts}; " + "; ".join(p for p in parts if p) + "."
+
+
+def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
+    rows = []
+    for name, s in summaries.items():
+        identical = f"{s['identical']}/{s['compared']}" if greedy and s["compared"] else "n/a"
+        if greedy and s["compared"] and s["identical"] < s["compared"] and methods[name]["lossless"] in LOSSLESS:
+            identical = f"**{identical}** ⚠"
+        rows.append([name, methods[name]["lossless"], s["prompts"], s["new_tokens"], num(s["seconds"], 2),
+                     num(s["tokens_per_second"], 2), times(s["speedup_total"]), times(s["speedup_geomean"]),
+                     num(s["tau"], 2), num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical])
+    return table(SUMMARY_COLUMNS, rows)
+
+
+def audit_section(audits: list[dict]) -> list[str]:
+    lines = ["## Divergence audit", ""]
+    if not audits:
+        return lines + [f"No method that claims lossless greedy output differs from {BASELINE}.", ""]
+    rows = [[a["method"], a["prompt_id"], a["position"], token_cell(a["baseline_token"], a.get("baseline_text")),
+             token_cell(a["method_token"], a.get("method_text")), num(a["top1_logit"], 4), num(a["top2_logit"], 4),
+             num(a["margin"], 4), num(a["tolerance"], 4), a["classification"], a["reason"]] for a in audits]
+    headers = ("method", "prompt", "position", f"{BASELINE} token", "method token", "top-1 logit", "top-2 logit",
+               "margin", "tolerance", "verdict", "why")
+    return lines + table(headers, rows) + [""]
+
+
+def theory_section(results: dict) -> list[str]:
+    rows = results["theory"]
+    if not rows:
+        return []
+    lines = ["## Theory check (Leviathan et al. 2023)", "",
+             "E = (1 − α^(γ+1)) / (1 − α) tokens per target forward; S = E / (γc + 1).", ""]
+    headers = ("method", "α from", "α", "γ", "c", "predicted τ (E)", "measured τ", "predicted S",
+               f"measured vs {BASELINE}", "measured vs autoregressive")
+    body = [[r["method"], r["alpha_source"], num(r["alpha"], 3), r["gamma"], num(r["cost_ratio"], 3),
+             num(r["predicted_tau"], 2), num(r["measured_tau"], 2), times(r["predicted_speedup"]),
+             times(r["measured_speedup_vs_baseline"]), times(r["measured_speedup_vs_autoregressive"])] for r in rows]
+    return lines + table(headers, body) + [""]
+
+
+def legend(greedy: bool) -> list[str]:
+    lines = [
+        "## How to read this", "",
+        f"- speedup: {BASELINE} time / method time on the same prompt; *total* = sum of {BASELINE} times / sum of "
+        "method times, *geomean* = geometric mean of the per-prompt ratios. Methods ran interleaved per prompt.",
+        "- τ: new tokens per target forward (HF methods: forwards counted on the target model). "
+        "acceptance: accepted / drafted tokens (n/a where the method does not report its drafts). "
+        "draft share: time in the drafter / total time.",
+    ]
+    if greedy:
+        lines.append(f"- identical: prompts whose tokens equal {BASELINE}'s exactly. Each divergence of a lossless "
+                     "method is audited: a *near-tie* is a rounding difference between nearly equal logits, an *error* is not.")
+    else:
+        lines.append("- sampling run: outputs are not expected to match, so only speed and τ are reported.")
+    return lines + [""]
+
+
+def table(headers, rows) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|").replace("\n", "\\n") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def token_cell(token: int | None, text: str | None) -> str:
+    if token is None:
+        return "(ended)"
+    return f"{token} `{text!r}`" if text is not None else str(token)
+
+
+def num(value, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def times(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}×"
+
+
+def percent(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def ms(seconds) -> str:
+    return "n/a" if seconds is None else f"{1000 * seconds:.1f} ms"

@@ -1,0 +1,286 @@
+"""The benchmark loop: every method on prompt 1, then every method on prompt 2, ..., each record appended to
+records.jsonl as it completes, so an interrupted run resumes where it stopped.
+
+Files in the output folder:
+    run.json        configuration, run metadata, measured forward costs (written first)
+    records.jsonl   one line per (prompt, method) run
+    audits.jsonl    one line per audited divergence (written after the loop)
+    results.json, report.md, speedup.png, tau.png   rendered from the three above (accelgen.bench.report)
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import accelgen
+from accelgen.bench import audit
+from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
+from accelgen.bench.methods import BASELINE, BenchMethod, resolve_methods, run_method
+from accelgen.bench.metrics import compare_with_baseline
+from accelgen.models.runner import ModelRunner
+
+RUN_FILE, RECORDS_FILE, AUDITS_FILE = "run.json", "records.jsonl", "audits.jsonl"
+WARMUP_TOKENS = 8
+COST_REPEATS = 5
+
+
+@dataclass
+class BenchConfig:
+    """Everything that decides what is measured; a resumed run must match it exactly."""
+
+    model: str
+    dataset: str
+    draft: str | None = None
+    dtype: str | None = None
+    draft_dtype: str | None = None
+    methods: list[str] | None = None  # None: every method whose needs are met
+    limit: int | None = None
+    categories: list[str] | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    threads: int = 2
+    prompt_format: str = "auto"
+    options: dict[str, dict] = field(default_factory=dict)  # method -> {option: value}
+    warmup: bool = True
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+
+
+@dataclass
+class Plan:
+    """What a run will do, settled before any model is loaded (so bad input fails fast)."""
+
+    config: BenchConfig
+    prompts: list[Prompt]
+    methods: list[BenchMethod]
+    options: dict[str, dict]  # method -> full options (defaults overlaid with the user's)
+    notes: list[str]
+
+
+def plan(config: BenchConfig) -> Plan:
+    config.validate()
+    resources = {"draft_model"} if config.draft else set()
+    methods, notes = resolve_methods(config.methods, resources, config.temperature, config.options)
+    options = {m.name: m.check_options(config.options.get(m.name, {})) for m in methods}
+    prompts = load_dataset(config.dataset, config.limit, config.categories)
+    if not prompts:
+        raise ValueError(f"dataset {config.dataset!r} gave no prompts")
+    return Plan(config, prompts, methods, options, notes)
+
+
+def run(
+    plan: Plan,
+    model,
+    tokenizer,
+    out_dir: Path,
+    draft_model=None,
+    *,
+    overwrite: bool = False,
+    command: str | None = None,
+    progress: Callable[[dict, list[dict]], None] | None = None,
+) -> Path:
+    """Run (or resume) the benchmark into out_dir; returns out_dir. progress(record, records) after each record."""
+    config = plan.config
+    torch.set_num_threads(config.threads)
+    prompt_ids = [prompt_token_ids(tokenizer, p, config.prompt_format) for p in plan.prompts]
+    identity = run_identity(plan, prompt_ids)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_info = open_run(out_dir, identity, overwrite)
+    if run_info is None:
+        run_info = {**identity, "metadata": describe_run(command, model, draft_model),
+                    "cost": measure_costs(model, draft_model, prompt_ids[0])}
+    else:
+        run_info.setdefault("resumed", []).append({"date": now(), "command": command})
+    write_json(out_dir / RUN_FILE, run_info)
+
+    records = read_jsonl(out_dir / RECORDS_FILE)
+    done = {(r["prompt_id"], r["method"]) for r in records}
+    pending = [(i, m) for i in range(len(plan.prompts)) for m in rotated(plan.methods, i)
+               if (plan.prompts[i].id, m.name) not in done]
+    if pending and config.warmup:
+        for method in plan.methods:  # untimed: first calls pay for allocation and kernel selection
+            generate(plan, method, model, tokenizer, draft_model, prompt_ids[0], WARMUP_TOKENS)
+    for index, method in pending:
+        prompt = plan.prompts[index]
+        record = generate(plan, method, model, tokenizer, draft_model, prompt_ids[index], config.max_new_tokens,
+                          seed=config.seed + index)
+        record = {"prompt_id": prompt.id, "prompt_index": index, "category": prompt.category, "method": method.name,
+                  "dataset": config.dataset, "prompt_tokens": len(prompt_ids[index]), **record,
+                  "tau": ratio_or_none(record["new_tokens"], record["target_forwards"]),
+                  "acceptance_rate": ratio_or_none(record["accepted_draft_tokens"], record["draft_tokens"])}
+        append_jsonl(out_dir / RECORDS_FILE, record)
+        records.append(record)
+        if progress:
+            progress(record, records)
+
+    if config.temperature == 0:
+        audit_divergences(plan, model, tokenizer, prompt_ids, records, out_dir / AUDITS_FILE)
+    return out_dir
+
+
+def generate(plan: Plan, method: BenchMethod, model, tokenizer, draft_model, prompt_ids, max_new_tokens, seed=0) -> dict:
+    return run_method(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
+                      temperature=plan.config.temperature, seed=seed, options=plan.options[method.name])
+
+
+def ratio_or_none(numerator, denominator) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def rotated(methods: list, index: int) -> list:
+    """Methods in a different order for each prompt, so that no method always runs right after another."""
+    shift = index % len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def run_identity(plan: Plan, prompt_ids: list[list[int]]) -> dict:
+    """The configuration, resolved: what must match for records to be resumed."""
+    fingerprint = hashlib.sha256(json.dumps([[p.id for p in plan.prompts], prompt_ids]).encode()).hexdigest()[:16]
+    config = {**asdict(plan.config), "methods": [m.name for m in plan.methods], "options": plan.options}
+    del config["warmup"]  # does not change what is measured
+    methods = {m.name: {"source": m.source, "family": m.family, "lossless": m.lossless, "needs": list(m.needs),
+                        "summary": m.summary} for m in plan.methods}
+    return {"config": json.loads(json.dumps(config)), "methods": methods, "prompts_fingerprint": fingerprint}
+
+
+def open_run(out_dir: Path, identity: dict, overwrite: bool) -> dict | None:
+    """The saved run.json if this run resumes it; None when starting afresh (old files removed on overwrite)."""
+    path = out_dir / RUN_FILE
+    if overwrite:
+        for name in (RUN_FILE, RECORDS_FILE, AUDITS_FILE):
+            (out_dir / name).unlink(missing_ok=True)
+        return None
+    if not path.exists():
+        if (out_dir / RECORDS_FILE).exists():
+            raise ValueError(f"{out_dir} holds records but no {RUN_FILE}; use --overwrite or another --out")
+        return None
+    saved = json.loads(path.read_text())
+    differing = [key for key in identity["config"] if saved["config"].get(key) != identity["config"][key]]
+    if saved.get("prompts_fingerprint") != identity["prompts_fingerprint"]:
+        differing.append("prompts")
+    if differing:
+        raise ValueError(f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
+                         "use --overwrite to replace it or another --out")
+    return saved
+
+
+def audit_divergences(plan: Plan, model, tokenizer, prompt_ids: list[list[int]], records: list[dict], path: Path) -> list[dict]:
+    """Audit every divergence from the baseline of a method that claims greedy-lossless output; cached in path."""
+    audits = read_jsonl(path)
+    audited = {(a["prompt_id"], a["method"]) for a in audits}
+    lossless = {m.name for m in plan.methods if m.claims_lossless and m.name != BASELINE}
+    index_of = {p.id: i for i, p in enumerate(plan.prompts)}
+    baseline = {r["prompt_id"]: r for r in records if r["method"] == BASELINE}
+    for record in compare_with_baseline(records, greedy=True):
+        key = (record["prompt_id"], record["method"])
+        if record["identical"] is not False or record["method"] not in lossless or key in audited:
+            continue
+        index = index_of[record["prompt_id"]]
+        divergence = audit.audit(model, prompt_ids[index], baseline[record["prompt_id"]]["token_ids"], record["token_ids"])
+        entry = {"prompt_id": record["prompt_id"], "method": record["method"], "category": record["category"],
+                 **divergence.to_dict(), "dtype": audit.dtype_name(model.dtype),
+                 "baseline_text": token_text(tokenizer, divergence.baseline_token),
+                 "method_text": token_text(tokenizer, divergence.method_token)}
+        append_jsonl(path, entry)
+        audits.append(entry)
+    return audits
+
+
+def token_text(tokenizer, token: int | None) -> str | None:
+    return None if token is None else tokenizer.decode([token])
+
+
+def measure_costs(model, draft_model, prompt_ids: list[int]) -> dict:
+    """Median time of one single-token forward (with a KV cache of the prompt) per model, and their ratio c."""
+    target = forward_seconds(model, prompt_ids)
+    draft = forward_seconds(draft_model, prompt_ids) if draft_model is not None else None
+    return {"target_forward_seconds": target, "draft_forward_seconds": draft,
+            "cost_ratio": draft / target if draft is not None and target > 0 else None}
+
+
+def forward_seconds(model, prompt_ids: list[int], repeats: int = COST_REPEATS) -> float:
+    runner = ModelRunner(model)
+    if len(prompt_ids) > 1:
+        runner.forward(torch.tensor(prompt_ids[:-1]), last_only=True)
+    prefix = runner.length
+    last = torch.tensor(prompt_ids[-1:])
+    times = []
+    for _ in range(repeats + 1):  # the first one warms up
+        started = time.perf_counter()
+        runner.forward(last, last_only=True)
+        times.append(time.perf_counter() - started)
+        runner.keep(prefix, [])  # forget the token again
+    return statistics.median(times[1:])
+
+
+def describe_run(command: str | None, model, draft_model) -> dict:
+    import transformers
+
+    return {
+        "command": command,
+        "date": now(),
+        "machine": {
+            "cpu": cpu_model(),
+            "logical_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "system": f"{platform.system()} {platform.machine()}",
+            "python": platform.python_version(),
+        },
+        "versions": {"accelgen": accelgen.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "dtype": audit.dtype_name(model.dtype),
+        "draft_dtype": audit.dtype_name(draft_model.dtype) if draft_model is not None else None,
+    }
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or "unknown"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """All complete lines; a line cut off by an interruption is dropped (and removed from the file)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    complete, _, partial = text.rpartition("\n")
+    if partial:
+        path.write_text(complete + "\n" if complete else "")
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def append_jsonl(path: Path, item: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(item) + "\n")
+        f.flush()
+
+
+def write_json(path: Path, item: dict) -> None:
+    path.write_text(json.dumps(item, indent=1) + "\n")

@@ -1,0 +1,71 @@
+"""Speedup aggregation, τ and acceptance, and the Leviathan et al. formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from accelgen.bench import metrics
+
+
+def record(prompt_id, method, seconds, tokens=(1, 2), category="c", **extra):
+    return {"prompt_id": prompt_id, "method": method, "category": category, "seconds": seconds,
+            "token_ids": list(tokens), "new_tokens": len(tokens), "target_forwards": extra.pop("forwards", len(tokens)),
+            "committed_per_step": extra.pop("steps", None), "draft_tokens": None, "accepted_draft_tokens": None,
+            "draft_seconds": None, **extra}
+
+
+def test_speedup_total_and_geomean_and_identical():
+    records = [record("p1", "hf-greedy", 2.0), record("p2", "hf-greedy", 4.0),
+               record("p1", "fast", 1.0), record("p2", "fast", 4.0, tokens=(1, 3))]
+    compared = metrics.compare_with_baseline(records, greedy=True)
+    fast = [r for r in compared if r["method"] == "fast"]
+    assert [r["speedup"] for r in fast] == [2.0, 1.0]
+    assert [r["identical"] for r in fast] == [True, False]
+    summary = metrics.summarize(fast)
+    assert summary["speedup_total"] == pytest.approx(6 / 5)
+    assert summary["speedup_geomean"] == pytest.approx(math.sqrt(2))
+    assert summary["identical"] == 1 and summary["compared"] == 2 and summary["mismatched_prompts"] == ["p2"]
+    assert summary["tokens_per_second"] == pytest.approx(4 / 5)
+
+
+def test_sampling_runs_are_not_compared_for_identity():
+    records = [record("p1", "hf-greedy", 2.0), record("p1", "fast", 1.0, tokens=(9,))]
+    assert all(r["identical"] is None for r in metrics.compare_with_baseline(records, greedy=False))
+
+
+def test_aggregate_scopes_and_unknown_quantities():
+    records = [record("p1", "hf-greedy", 2.0, category="a"), record("p2", "hf-greedy", 2.0, category="b"),
+               record("p1", "spec", 1.0, category="a", forwards=1, draft_tokens=4, accepted_draft_tokens=1),
+               record("p2", "spec", 1.0, category="b", forwards=2, draft_tokens=4, accepted_draft_tokens=0)]
+    result = metrics.aggregate(metrics.compare_with_baseline(records, True), ["hf-greedy", "spec"])
+    assert list(result) == ["overall", "a", "b"]
+    assert result["overall"]["spec"]["tau"] == pytest.approx(4 / 3)
+    assert result["overall"]["spec"]["acceptance_rate"] == pytest.approx(1 / 8)
+    assert result["a"]["spec"]["speedup_total"] == 2.0
+    assert result["overall"]["hf-greedy"]["acceptance_rate"] is None  # unknown, not zero
+
+
+def test_per_token_acceptance_leaves_out_each_last_step():
+    # gamma 4: steps commit 5, 3, 1, 5 tokens (the final 2 is dropped): 10 accepted, 2 rejections
+    assert metrics.per_token_acceptance([{"committed_per_step": [5, 3, 1, 5, 2]}], gamma=4) == pytest.approx(10 / 12)
+    assert metrics.per_token_acceptance([{"committed_per_step": [3]}], gamma=4) is None
+
+
+def test_leviathan_formulas():
+    assert metrics.expected_tokens_per_forward(0.0, 5) == 1.0
+    assert metrics.expected_tokens_per_forward(1.0, 5) == 6.0
+    assert metrics.expected_tokens_per_forward(0.5, 2) == pytest.approx(1.75)
+    assert metrics.predicted_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+
+
+def test_theory_check_rows():
+    overall = {"speculative": {"acceptance_rate": 0.5, "alpha_per_token": 0.8, "tau": 2.0, "speedup_total": 1.3,
+                               "tokens_per_second": 3.0},
+               "autoregressive": {"tokens_per_second": 2.0}}
+    rows = metrics.theory_check(overall, "speculative", gamma=2, cost_ratio=0.25)
+    assert [r["alpha_source"] for r in rows] == ["acceptance rate", "per-token estimate"]
+    assert rows[0]["predicted_speedup"] == pytest.approx(1.75 / 1.5)
+    assert rows[0]["measured_speedup_vs_autoregressive"] == pytest.approx(1.5)
+    assert metrics.theory_check(overall, "speculative", 2, cost_ratio=None) == []

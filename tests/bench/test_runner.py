@@ -1,0 +1,210 @@
+"""The harness end to end on tiny random models: files written, a wrong method caught, resume, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import accelgen.registry
+from accelgen.bench import methods, report, runner
+from accelgen.bench.runner import BenchConfig
+from accelgen.cli import app
+from accelgen.draft import Draft
+from accelgen.registry import MethodSpec
+
+PNG_MAGIC = b"\x89PNG"
+ALL_PEERS = ["hf-greedy", "hf-assisted", "hf-prompt-lookup", "autoregressive", "speculative"]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": "code", "category": "coding", "prompt": "def add(a, b):\n    return a + b\n\ndef add"},
+             {"id": "chat", "category": "writing", "turns": ["Write a haiku about the sea."]}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def bench(tmp_path, prompts_file, model, tokenizer, draft_model=None, out="out", **config):
+    settings = {"model": "tiny", "dataset": f"jsonl:{prompts_file}", "draft": "tiny" if draft_model is not None else None,
+                "max_new_tokens": 8, "warmup": False, **config}
+    out_dir = tmp_path / out
+    runner.run(runner.plan(BenchConfig(**settings)), model, tokenizer, out_dir, draft_model, command="accelgen bench test")
+    return report.render(out_dir), out_dir
+
+
+def test_bench_writes_results_report_and_plots(tmp_path, prompts_file, tiny_target, tokenizer):
+    # the target drafting for itself: every draft token is accepted
+    results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_target,
+                             methods=ALL_PEERS, warmup=True, options={"speculative": {"gamma": 3}})
+    assert json.loads((out_dir / "results.json").read_text()) == json.loads(json.dumps(results))
+    meta = results["metadata"]
+    assert meta["command"] == "accelgen bench test" and meta["dtype"] == "float32"
+    assert meta["machine"]["torch_threads"] == 2 and meta["machine"]["cpu"] and meta["versions"]["transformers"]
+    records = results["records"]
+    assert len(records) == 2 * len(ALL_PEERS)
+    assert {(r["prompt_id"], r["method"]) for r in records} == {(p, m) for p in ("code", "chat") for m in ALL_PEERS}
+    for r in records:
+        assert r["new_tokens"] == len(r["token_ids"]) and r["seconds"] > 0 and r["speedup"] > 0
+        assert r["identical"] is True  # float32: every lossless method matches HF greedy exactly
+        assert sum(r["committed_per_step"]) == r["new_tokens"]
+        assert r["tau"] == pytest.approx(r["new_tokens"] / r["target_forwards"])
+        assert r["dataset"] == f"jsonl:{prompts_file}" and r["category"] in ("coding", "writing")
+    overall = results["aggregates"]["overall"]
+    assert list(results["aggregates"]) == ["overall", "coding", "writing"]
+    assert overall["hf-greedy"]["tau"] == 1.0 and overall["autoregressive"]["tau"] == 1.0
+    assert overall["speculative"]["acceptance_rate"] == 1.0 and overall["speculative"]["tau"] > 2
+    assert overall["hf-assisted"]["tau"] > 1 and overall["hf-assisted"]["draft_share"] > 0
+    assert results["warnings"] == [] and results["audits"] == []
+    assert [row["gamma"] for row in results["theory"]] == [3, 3]
+    assert results["cost"]["cost_ratio"] > 0
+    markdown = (out_dir / "report.md").read_text()
+    for heading in ("## Overall", "## Category: coding", "## Category: writing", "## Divergence audit", "## Theory check"):
+        assert heading in markdown
+    for plot in ("speedup.png", "tau.png"):
+        assert (out_dir / plot).read_bytes()[:4] == PNG_MAGIC
+
+
+FAVOURITE_TOKEN = 42
+
+
+class FavouriteTokenDrafter:
+    """Drafts nothing, but while the target scores each step it boosts one token: a stand-in for a buggy method."""
+
+    def __init__(self, target_model):
+        self.target_model = target_model
+        self.handle = None
+
+    def propose(self, context, max_nodes):
+        self.handle = self.target_model.register_forward_hook(boost_favourite)
+        return Draft.empty()
+
+    def update(self, draft, verdict, target_logits):
+        self.handle.remove()
+
+
+def boost_favourite(module, args, output):
+    output.logits[..., FAVOURITE_TOKEN] += 1000.0
+    return output
+
+
+@pytest.fixture
+def wrong_method(monkeypatch):
+    accelgen.registry.list_methods()  # load the built-in methods first
+    spec = MethodSpec(name="bench-test-wrong", family="speculative", lossless="greedy-exact", paper="-",
+                      summary="claims greedy-exact, is not", make_drafter=lambda target_model, **_: FavouriteTokenDrafter(target_model))
+    monkeypatch.setitem(accelgen.registry._METHODS, spec.name, spec)  # removed again after the test
+    return spec.name
+
+
+def test_wrong_method_is_caught_and_audited(tmp_path, prompts_file, tiny_target, tokenizer, wrong_method):
+    results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, methods=["autoregressive", wrong_method])
+    overall = results["aggregates"]["overall"]
+    assert overall["autoregressive"]["identical"] == 2
+    assert overall[wrong_method]["identical"] == 0 and overall[wrong_method]["mismatched_prompts"] == ["code", "chat"]
+    assert {(a["method"], a["classification"]) for a in results["audits"]} == {(wrong_method, "error")}
+    assert all(a["method_token"] == FAVOURITE_TOKEN and a["position"] == 0 for a in results["audits"])
+    [warning] = results["warnings"]
+    assert warning["method"] == wrong_method and warning["severity"] == "error" and warning["errors"] == ["code", "chat"]
+    assert f"**LOSSLESS VIOLATION** {wrong_method}" in (out_dir / "report.md").read_text()
+
+
+def test_wrong_method_is_gone_after_the_test():
+    assert "bench-test-wrong" not in {spec.name for spec in accelgen.registry.list_methods()}
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_continues_from_saved_records(tmp_path, prompts_file, tiny_target, tiny_draft, tokenizer):
+    config = BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", draft="tiny", max_new_tokens=6, warmup=False,
+                         methods=["hf-greedy", "autoregressive", "speculative"])
+    out_dir = tmp_path / "resumable"
+
+    def interrupt_after_two(record, records):
+        if len(records) == 2:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        runner.run(runner.plan(config), tiny_target, tokenizer, out_dir, tiny_draft, progress=interrupt_after_two)
+    with open(out_dir / "records.jsonl", "a") as f:
+        f.write('{"prompt_id": "cut off mid-li')  # what a kill while writing leaves behind
+    seen = []
+    runner.run(runner.plan(config), tiny_target, tokenizer, out_dir, tiny_draft, progress=lambda r, rs: seen.append(r))
+    records = runner.read_jsonl(out_dir / "records.jsonl")
+    assert len(seen) == 4 and len(records) == 6
+    assert len({(r["prompt_id"], r["method"]) for r in records}) == 6
+    assert len(json.loads((out_dir / "run.json").read_text())["resumed"]) == 1
+
+    changed = BenchConfig(**{**config.__dict__, "max_new_tokens": 7})
+    with pytest.raises(ValueError, match="different configuration .*max_new_tokens"):
+        runner.run(runner.plan(changed), tiny_target, tokenizer, out_dir, tiny_draft)
+    runner.run(runner.plan(changed), tiny_target, tokenizer, out_dir, tiny_draft, overwrite=True)
+    assert len(runner.read_jsonl(out_dir / "records.jsonl")) == 6
+
+
+def test_sampling_run_reports_speed_and_tau_only(tmp_path, prompts_file, tiny_target, tiny_draft, tokenizer):
+    results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_draft,
+                             methods=["speculative"], temperature=0.8, max_new_tokens=4, limit=1)
+    assert all(r["identical"] is None for r in results["records"])
+    assert results["warnings"] == [] and not (out_dir / "audits.jsonl").exists()
+    assert "sampling run" in (out_dir / "report.md").read_text()
+
+
+def test_resolve_methods():
+    default, notes = methods.resolve_methods(None, resources=set(), temperature=0)
+    names = [m.name for m in default]
+    assert names[0] == "hf-greedy" and "hf-prompt-lookup" in names and "autoregressive" in names
+    assert "speculative" not in names and any("skipping speculative: needs draft_model" in n for n in notes)
+    chosen, notes = methods.resolve_methods(["speculative"], {"draft_model"}, 0)
+    assert [m.name for m in chosen] == ["hf-greedy", "speculative"] and "added hf-greedy" in notes[0]
+    with pytest.raises(ValueError, match="unknown method 'warp-drive'"):
+        methods.resolve_methods(["warp-drive"], set(), 0)
+    with pytest.raises(ValueError, match="'speculative' needs draft_model"):
+        methods.resolve_methods(["speculative"], set(), 0)
+    with pytest.raises(ValueError, match="options given for 'speculative'"):
+        methods.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
+
+
+def test_hf_committed_per_step_from_cache_lengths():
+    counter = methods.ForwardCounter.__new__(methods.ForwardCounter)
+    # prompt of 10: the prefill forward verifies one candidate, later forwards start at cache lengths 11, 13
+    counter.forwards, counter.cache_lengths = 3, [0, 11, 13]
+    assert counter.committed_per_step(prompt_length=10, new_tokens=6) == [2, 2, 2]
+    counter.cache_lengths = [0, None, 13]
+    assert counter.committed_per_step(10, 6) is None
+
+
+def test_parse_method_options():
+    from accelgen.bench.cli import parse_method_options
+
+    assert parse_method_options(["speculative.gamma=8", "speculative.gamma_schedule=heuristic", "hf-assisted.num-assistant-tokens=5"]) == {
+        "speculative": {"gamma": 8, "gamma_schedule": "heuristic"}, "hf-assisted": {"num_assistant_tokens": 5}}
+    with pytest.raises(ValueError, match="method.name=value"):
+        parse_method_options(["gamma=8"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--dataset", "nope"], "unknown dataset"),
+    (["--dataset", "humaneval", "--methods", "warp-drive"], "unknown method"),
+    (["--dataset", "humaneval", "--methods", "speculative"], "needs draft_model"),
+    (["--dataset", "jsonl:absent.jsonl"], "dataset file not found"),
+    (["--dataset", "humaneval", "-o", "autoregressive.gamma=3"], "has no option 'gamma'"),
+])
+def test_bench_cli_rejects_bad_input_before_loading_models(arguments, message):
+    result = CliRunner().invoke(app, ["bench", "--model", "no-such-model", *arguments])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_bench_report_rerenders_saved_results(tmp_path, prompts_file, tiny_target, tokenizer):
+    _, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, methods=["hf-greedy"], limit=1)
+    for name in ("results.json", "report.md", "speedup.png", "tau.png"):
+        (out_dir / name).unlink()
+    result = CliRunner().invoke(app, ["bench-report", str(out_dir)])
+    assert result.exit_code == 0, result.output
+    assert all((out_dir / name).exists() for name in ("results.json", "report.md", "speedup.png", "tau.png"))
+    missing = CliRunner().invoke(app, ["bench-report", str(tmp_path / "nothing-here")])
+    assert missing.exit_code == 2 and "not a benchmark folder" in missing.output
