@@ -1,0 +1,288 @@
+"""REST, retrieval-based speculative decoding (He et al. 2023): drafts retrieved from a corpus datastore.
+
+The datastore is a corpus as one token array (texts separated by -1) plus its suffix array: every position
+sorted by the tokens that follow it. All occurrences of a token sequence then form one contiguous range of the
+suffix array, found by binary search. At each step the drafter finds the longest suffix of the context
+(max_query tokens down to min_query) that occurs in the corpus, reads the tokens that followed up to
+max_matches occurrences (evenly spread over the range, so frequent continuations stay frequent), merges them
+into a trie and keeps the max_nodes most frequent nodes as a token tree, verified in one forward.
+
+Build a datastore once with `build_datastore(tokenizer, texts, path)` or the CLI
+`accelgen datastore build --model M --dataset sharegpt --out PATH`; it is saved as .npy files and
+memory-mapped at use, so opening it is instant and only the pages a lookup touches are read.
+Drafts are deterministic, so the method is exact for sampling too.
+
+Files in a datastore folder:
+    tokens.npy        (n,) int32: the corpus, -1 after every text
+    suffix_array.npy  (n,) int32/int64: positions sorted by their next sort_depth tokens
+    datastore.json    format, tokenizer, vocabulary bound, sizes, build time
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from accelgen.draft import Draft, Verdict
+from accelgen.drafters.candidate_tree import CandidateTree
+from accelgen.registry import MethodSpec, register
+
+SEPARATOR = -1  # ends every text; sorts before every token, and no query contains it
+TOKENS_FILE, SUFFIXES_FILE, META_FILE = "tokens.npy", "suffix_array.npy", "datastore.json"
+FORMAT_VERSION = 1
+
+
+# --- building --------------------------------------------------------------------------------------------
+
+
+def build_suffix_array(tokens: np.ndarray, sort_depth: int = 64, progress: bool = False) -> np.ndarray:
+    """Positions of tokens (n,) sorted by their suffixes' first sort_depth tokens (prefix doubling).
+
+    Round k sorts by the first 2^k tokens, ranking each position by (rank of its first half, rank of the
+    half that follows); a suffix that ends early sorts before its extensions. Ties beyond sort_depth are left
+    in any order, which no lookup of at most sort_depth tokens can notice. Returns (n,) int64.
+
+    Example: tokens [b a b a] -> suffixes "baba" "aba" "ba" "a" -> sorted "a" "aba" "ba" "baba" -> [3 1 2 0].
+    """
+    n = len(tokens)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64).reshape(-1)  # dense, in token order
+    order = np.argsort(rank, kind="stable")
+    span = 1
+    rounds = tqdm(desc="sorting suffixes", unit="round", disable=not progress, total=(sort_depth - 1).bit_length())
+    while span < sort_depth and rank[order[-1]] < n - 1:  # stop early once every rank is distinct
+        following = np.zeros(n, dtype=np.int64)
+        following[: n - span] = rank[span:] + 1  # 0 = past the end, before every token
+        key = rank * (n + 1) + following  # (rank, following) as one int64; fits for n < 3e9
+        order = np.argsort(key)
+        sorted_key = key[order]
+        starts_group = np.empty(n, dtype=bool)
+        starts_group[0] = True
+        np.not_equal(sorted_key[1:], sorted_key[:-1], out=starts_group[1:])
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.cumsum(starts_group) - 1
+        span *= 2
+        rounds.update()
+    rounds.close()
+    return order
+
+
+def write_datastore(sequences: Iterable[Sequence[int]], path, *, sort_depth: int = 64, progress: bool = True,
+                    info: dict | None = None) -> dict:
+    """Save token sequences as a datastore folder at path; returns its datastore.json contents."""
+    if sort_depth < 2:
+        raise ValueError(f"sort_depth must be >= 2, got {sort_depth}")
+    started = time.perf_counter()
+    pieces, count = [], 0
+    for sequence in sequences:
+        piece = np.asarray(list(sequence) + [SEPARATOR], dtype=np.int32)
+        if piece[:-1].min(initial=0) < 0:
+            raise ValueError("token ids must be non-negative")
+        pieces.append(piece)
+        count += 1
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    suffixes = build_suffix_array(tokens, sort_depth, progress)
+    suffixes = suffixes.astype(np.int32 if len(tokens) < 2**31 else np.int64)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / TOKENS_FILE, tokens)
+    np.save(folder / SUFFIXES_FILE, suffixes)
+    meta = {
+        "format": FORMAT_VERSION,
+        **(info or {}),
+        "texts": count,
+        "tokens": int(len(tokens) - count),  # without separators
+        "max_token_id": int(tokens.max()) if len(tokens) else -1,
+        "sort_depth": sort_depth,
+        "bytes": (folder / TOKENS_FILE).stat().st_size + (folder / SUFFIXES_FILE).stat().st_size,
+        "build_seconds": round(time.perf_counter() - started, 2),
+    }
+    (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def build_datastore(tokenizer, texts: Iterable[str], path, *, sort_depth: int = 64, batch_size: int = 512,
+                    progress: bool = True, tokenizer_name: str | None = None) -> dict:
+    """Tokenize texts (no special tokens) and save them as a datastore at path; returns its datastore.json
+    contents, build_seconds included (tokenizing + sorting + writing). tokenizer_name is recorded for users
+    (default: the tokenizer's own name_or_path)."""
+    started = time.perf_counter()
+
+    def tokenized() -> Iterable[list[int]]:
+        with tqdm(desc="tokenizing", unit=" texts", disable=not progress) as bar:
+            batch: list[str] = []
+            for text in texts:
+                batch.append(text)
+                if len(batch) == batch_size:
+                    yield from tokenizer(batch, add_special_tokens=False).input_ids
+                    bar.update(len(batch))
+                    batch = []
+            if batch:
+                yield from tokenizer(batch, add_special_tokens=False).input_ids
+                bar.update(len(batch))
+
+    name = tokenizer_name or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    info = {"tokenizer": name, "vocab_size": len(tokenizer)}
+    meta = write_datastore(tokenized(), path, sort_depth=sort_depth, progress=progress, info=info)
+    meta["build_seconds"] = round(time.perf_counter() - started, 2)
+    (Path(path) / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+# --- lookup ----------------------------------------------------------------------------------------------
+
+
+class _SuffixPrefixes:
+    """The suffix array as a sorted sequence of each suffix's first `length` tokens, for bisect."""
+
+    def __init__(self, tokens: np.ndarray, suffixes: np.ndarray, length: int):
+        self.tokens, self.suffixes, self.length = tokens, suffixes, length
+
+    def __len__(self) -> int:
+        return len(self.suffixes)
+
+    def __getitem__(self, i: int) -> list[int]:
+        start = int(self.suffixes[i])
+        return self.tokens[start : start + self.length].tolist()
+
+
+class Datastore:
+    """A datastore folder, memory-mapped; share one object between requests to skip even the open."""
+
+    def __init__(self, path):
+        folder = Path(path)
+        if not (folder / META_FILE).is_file():
+            raise FileNotFoundError(
+                f"no REST datastore at {folder}: build one with "
+                f"`accelgen datastore build --model M --dataset sharegpt --out {folder}`"
+            )
+        self.path = folder
+        self.meta = json.loads((folder / META_FILE).read_text())
+        if self.meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"datastore at {folder} has format {self.meta.get('format')}; "
+                             f"rebuild it (this version reads {FORMAT_VERSION})")
+        self.tokens = np.load(folder / TOKENS_FILE, mmap_mode="r")  # (n,) int32
+        self.suffixes = np.load(folder / SUFFIXES_FILE, mmap_mode="r")  # (n,) int
+        self.sort_depth = int(self.meta["sort_depth"])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def find(self, query: list[int]) -> tuple[int, int]:
+        """[lo, hi): the suffix-array range of the suffixes starting with query (empty when lo == hi)."""
+        view = _SuffixPrefixes(self.tokens, self.suffixes, len(query))
+        lo = bisect.bisect_left(view, query)
+        if lo == len(view) or view[lo] != query:
+            return lo, lo
+        return lo, bisect.bisect_right(view, query, lo)
+
+    def longest_match(self, tail: list[int], min_length: int, max_length: int) -> tuple[int, int, int] | None:
+        """(length, lo, hi) for the longest suffix of tail, min_length..max_length tokens, in the corpus.
+
+        Binary search on the length: if the last m tokens occur in the corpus, so do the last m - 1.
+        """
+        best = None
+        shortest, longest = min_length, min(max_length, len(tail), self.sort_depth)
+        while shortest <= longest:
+            length = (shortest + longest) // 2
+            lo, hi = self.find(tail[-length:])
+            if lo < hi:
+                best = (length, lo, hi)
+                shortest = length + 1
+            else:
+                longest = length - 1
+        return best
+
+    def continuations(self, lo: int, hi: int, skip: int, depth: int, max_matches: int) -> list[list[int]]:
+        """The depth tokens after the first `skip` tokens of up to max_matches suffixes in [lo, hi), evenly
+        spread over the range; each cut at the end of its text."""
+        count = min(hi - lo, max_matches)
+        if count <= 0 or depth <= 0:
+            return []
+        picks = np.unique(np.linspace(lo, hi - 1, num=count).round().astype(np.int64))
+        starts = self.suffixes[picks].astype(np.int64) + skip  # (k,)
+        positions = starts[:, None] + np.arange(depth)  # (k, depth)
+        inside = positions < len(self.tokens)
+        windows = np.where(inside, self.tokens[np.minimum(positions, len(self.tokens) - 1)], SEPARATOR)
+        result = []
+        for window in windows.tolist():
+            cut = window.index(SEPARATOR) if SEPARATOR in window else depth
+            result.append(window[:cut])
+        return result
+
+
+# --- drafter ---------------------------------------------------------------------------------------------
+
+
+class RestDrafter:
+    def __init__(self, datastore: Datastore, max_query: int = 16, min_query: int = 2, max_matches: int = 500,
+                 draft_depth: int = 10, max_nodes: int = 32):
+        if not 1 <= min_query <= max_query:
+            raise ValueError(f"need 1 <= min_query <= max_query, got min_query={min_query}, max_query={max_query}")
+        if max_query > datastore.sort_depth:
+            raise ValueError(f"max_query {max_query} exceeds the datastore's sort_depth {datastore.sort_depth}; "
+                             "rebuild it deeper or query less")
+        for name, value in (("max_matches", max_matches), ("draft_depth", draft_depth), ("max_nodes", max_nodes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.datastore = datastore
+        self.max_query, self.min_query = max_query, min_query
+        self.max_matches = max_matches
+        self.draft_depth = draft_depth
+        self.max_nodes = max_nodes
+
+    def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
+        """context: (L,) long; only its last max_query tokens are read."""
+        match = self.datastore.longest_match(context[-self.max_query :].tolist(), self.min_query, self.max_query)
+        if match is None:
+            return Draft.empty()
+        length, lo, hi = match
+        depth = min(self.draft_depth, max_nodes)
+        tree = CandidateTree()
+        for continuation in self.datastore.continuations(lo, hi, length, depth, self.max_matches):
+            tree.add(continuation)  # weight 1 each: a node's weight is its frequency among the matches
+        return tree.draft(min(self.max_nodes, max_nodes))
+
+    def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
+        pass
+
+
+def open_datastore(datastore, vocab_size: int) -> Datastore:
+    """A Datastore from a path or an open Datastore, checked against the target's vocabulary."""
+    if datastore is None:
+        raise ValueError("method 'rest' needs a datastore: build one with `accelgen datastore build` "
+                         "and pass datastore=PATH")
+    store = datastore if isinstance(datastore, Datastore) else Datastore(datastore)
+    if store.meta["max_token_id"] >= vocab_size:
+        raise ValueError(
+            f"datastore {store.path} holds token id {store.meta['max_token_id']}, beyond the target's vocabulary "
+            f"({vocab_size}); it was built with another tokenizer ({store.meta.get('tokenizer', 'unknown')})"
+        )
+    return store
+
+
+def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, datastore=None, **options):
+    return RestDrafter(open_datastore(datastore, target_model.config.vocab_size), **options)
+
+
+register(
+    MethodSpec(
+        name="rest",
+        family="speculative",
+        lossless="distribution-exact",
+        paper="He et al. 2023, arXiv:2311.08252",
+        summary="retrieves what followed the context's longest suffix in a corpus (suffix array), verified as a tree",
+        make_drafter=_make,
+        needs=("datastore",),
+        options={"datastore": None, "max_query": 16, "min_query": 2, "max_matches": 500, "draft_depth": 10,
+                 "max_nodes": 32},
+    )
+)
