@@ -149,6 +149,11 @@ from accelgen.bench.cli import register as _register_bench  # noqa: E402
 _register_bench(app)
 
 
+from accelgen.datastore_cli import register as _register_datastore  # noqa: E402
+
+_register_datastore(app)
+
+
 def main():
     app()
 

