@@ -26,10 +26,11 @@ def copy_prompt(code):
     return [{"role": "user", "content": "Repeat this Python code exactly, then explain it in one sentence.\n\n" + code}]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def one_thread():
-    """These models run fastest on one thread, and many times faster when other processes share the cores
-    (idle OpenMP threads spin); every result is compared with a baseline computed the same way."""
+    """Small models run fastest on one thread, and many times faster when other processes share the cores
+    (idle OpenMP threads spin); every result is compared with a baseline computed the same way. Test modules
+    opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

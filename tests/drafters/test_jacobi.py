@@ -6,6 +6,8 @@ import torch
 from accelgen.draft import Verdict
 from accelgen.drafters.jacobi import JacobiDrafter, next_guess
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
 

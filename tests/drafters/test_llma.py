@@ -8,6 +8,8 @@ from accelgen.draft import ROOT
 from accelgen.drafters.llma import ReferenceDrafter, index_references, reference_token_ids, span_after
 from accelgen.sampling import SamplingConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
 

@@ -6,6 +6,8 @@ import torch
 from accelgen.draft import ROOT, Verdict, depths
 from accelgen.drafters.lookahead_decoding import LookaheadDecodingDrafter, NGramPool, lookahead_nodes, spread
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
 

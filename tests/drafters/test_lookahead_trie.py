@@ -8,6 +8,8 @@ import torch
 from accelgen.draft import ROOT
 from accelgen.drafters.lookahead_trie import LookaheadTrie, TrieLookaheadDrafter, best_branches
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
 

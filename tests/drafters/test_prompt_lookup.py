@@ -8,6 +8,8 @@ import torch
 from accelgen.draft import ROOT
 from accelgen.drafters.prompt_lookup import NGramIndex, PromptLookupDrafter, copy_continuation, lookup_candidates
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def indexed(tokens, min_n=1, max_n=3):
     index = NGramIndex(min_n, max_n)

@@ -18,6 +18,8 @@ from accelgen.drafters.rest import (
     write_datastore,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
 
