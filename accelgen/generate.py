@@ -116,7 +116,8 @@ def generate(
     target = ModelRunner(model)
     if len(prompt_ids) >= target.max_positions:
         raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
-    drafter = spec.make_drafter(model, draft_model=draft_model, sampling=sampling, generator=generator, **options)
+    drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
+                                generator=generator, **options)
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
     steps = GenerationStream(_steps(target, drafter, prompt_ids, output, sampling, generator))
@@ -163,6 +164,9 @@ def _steps(target: ModelRunner, drafter, prompt_ids: list[int], output: Output, 
         if len(context) >= target.max_positions:
             output.finish_reason = output.finish_reason or "length"
         yield Chunk(committed, output.stream_delta())
+    close = getattr(drafter, "close", None)  # optional: release per-request state (e.g. a shared trie's prompt branches)
+    if close is not None:
+        close()
     return GenerationResult(output.token_ids, output.text, output.finish_reason, stats.as_dict(len(output.token_ids)))
 
 

@@ -19,7 +19,7 @@ class MethodSpec:
     lossless: str  # a key of LOSSLESS_CLASSES
     paper: str
     summary: str
-    make_drafter: Callable  # (target_model, *, draft_model, sampling, generator, **options) -> Drafter
+    make_drafter: Callable  # (target_model, *, draft_model, tokenizer, sampling, generator, **options) -> Drafter
     needs: tuple[str, ...] = ()  # e.g. ("draft_model",)
     options: dict = field(default_factory=dict)  # option name -> default value
 

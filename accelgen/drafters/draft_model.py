@@ -26,6 +26,7 @@ class DraftModelDrafter:
         gamma: int = 5,
         gamma_schedule: str = "constant",
         max_gamma: int = 32,
+        confidence_threshold: float = 0.0,
     ):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -37,6 +38,7 @@ class DraftModelDrafter:
         self.gamma = gamma
         self.gamma_schedule = gamma_schedule
         self.max_gamma = max_gamma
+        self.confidence_threshold = confidence_threshold
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
@@ -49,11 +51,17 @@ class DraftModelDrafter:
         for step in range(gamma):
             if self.sampling.greedy:
                 token = int(logits.argmax())
+                confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0
             else:
                 step_probs = logits_to_probs(logits, self.sampling)
                 token = sample(step_probs, self.generator)
                 probs.append(step_probs)
+                confidence = float(step_probs[token])
             tokens.append(token)
+            # a draft the draft model itself doubts is likely rejected: stop drafting (depends on the draft alone,
+            # so verification stays exact)
+            if confidence < self.confidence_threshold:
+                break
             if step < gamma - 1:  # the last draft token needs no forward of its own
                 logits = self.runner.forward(torch.tensor([token]))[-1]
                 self.cached_tokens.append(token)
@@ -87,7 +95,7 @@ def check_vocabularies(target_model, draft_model) -> None:
         )
 
 
-def _make(target_model, *, draft_model, sampling, generator, **options):
+def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
     check_vocabularies(target_model, draft_model)
     return DraftModelDrafter(draft_model, sampling, generator, **options)
 
@@ -101,6 +109,6 @@ register(
         summary="a small draft model proposes gamma tokens, the target verifies them in one forward",
         make_drafter=_make,
         needs=("draft_model",),
-        options={"gamma": 5, "gamma_schedule": "constant", "max_gamma": 32},
+        options={"gamma": 5, "gamma_schedule": "constant", "max_gamma": 32, "confidence_threshold": 0.0},
     )
 )
