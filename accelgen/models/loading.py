@@ -84,8 +84,9 @@ def _convert_gguf(gguf_path: Path, folder: Path) -> None:
         dtype=CACHE_DTYPE,
         quantization_config=GgufConfig(dequantize=True),  # plain dense weights, whatever kernels are installed
     )
-    # The weights are plain tensors now; without this the saved config would ask for GGUF again.
-    del model.config.quantization_config
+    # The weights are plain tensors now; a saved quantization_config would ask for GGUF again.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.hf_quantizer = None
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
