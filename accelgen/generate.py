@@ -116,11 +116,13 @@ def generate(
     target = ModelRunner(model)
     if len(prompt_ids) >= target.max_positions:
         raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
+    make_verifier = spec.make_verifier or default_verifier
+    verify = make_verifier(sampling, **options)
     drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
                                 generator=generator, **options)
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
-    steps = GenerationStream(_steps(target, drafter, prompt_ids, output, sampling, generator))
+    steps = GenerationStream(_steps(target, drafter, verify, prompt_ids, output, generator))
     if stream:
         return steps
     for _ in steps:
@@ -128,7 +130,15 @@ def generate(
     return steps.result
 
 
-def _steps(target: ModelRunner, drafter, prompt_ids: list[int], output: Output, sampling: SamplingConfig, generator):
+def default_verifier(sampling: SamplingConfig, **_options):
+    """Greedy match at temperature 0, else speculative sampling (exact on chains, and on trees of i.i.d. siblings)."""
+    if sampling.greedy:
+        return lambda draft, target_logits, generator: verify_greedy(draft, target_logits)
+    return lambda draft, target_logits, generator: verify_speculative_sampling(
+        draft, logits_to_probs(target_logits, sampling), generator)
+
+
+def _steps(target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator):
     """The loop. Yields a Chunk per step; returns the GenerationResult."""
     stats = Stats()
     context = torch.tensor(prompt_ids, dtype=torch.long)
@@ -147,10 +157,7 @@ def _steps(target: ModelRunner, drafter, prompt_ids: list[int], output: Output, 
         tree = None if draft.is_chain else tree_attention(draft.parents)
         target_logits = target.forward(torch.cat([context[-1:], draft.tokens]), tree)  # (n+1, vocab)
         # 3. verify
-        if sampling.greedy:
-            verdict = verify_greedy(draft, target_logits)
-        else:
-            verdict = verify_speculative_sampling(draft, logits_to_probs(target_logits, sampling), generator)
+        verdict = verify(draft, target_logits, generator)
         # 4. commit: the cache keeps the root and the accepted path; the next token becomes the new root
         target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
         drafter.update(draft, verdict, target_logits)

@@ -22,6 +22,9 @@ class MethodSpec:
     make_drafter: Callable  # (target_model, *, draft_model, tokenizer, sampling, generator, **options) -> Drafter
     needs: tuple[str, ...] = ()  # e.g. ("draft_model",)
     options: dict = field(default_factory=dict)  # option name -> default value
+    # (sampling, **options) -> verify(draft, target_logits, generator) -> Verdict, for a method with its own
+    # verification rule; None: greedy match at temperature 0, speculative sampling otherwise
+    make_verifier: Callable | None = None
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:
