@@ -1,3 +1,3 @@
 """Drafters, one file per method; importing this package registers them all."""
 
-from accelgen.drafters import autoregressive, draft_model, jacobi, llma, lookahead_decoding, lookahead_trie, prompt_lookup, rest  # noqa: F401
+from accelgen.drafters import autoregressive, draft_model, jacobi, llma, lookahead_decoding, lookahead_trie, prompt_lookup, rest, specinfer, mcsd, block_verify  # noqa: F401

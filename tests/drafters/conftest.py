@@ -158,3 +158,18 @@ def assert_samples_target(sampling_model, tokenizer):
         assert 0 < accepted < drafted, f"drafts must be tested both ways: {accepted} of {drafted} accepted"
 
     return check
+
+
+@pytest.fixture(scope="session")
+def sampling_draft(make_tiny_model):
+    """A draft model for sampling_model: another tiny model over the same 8 tokens."""
+    return make_tiny_model("llama", seed=4, vocab_size=SAMPLING_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def smollm_shallow():
+    """SmolLM2 with only its first 20 of 30 layers: a draft model that is right often, but not always."""
+    model = accelgen.load_model("smollm2-135m", dtype="float32")[0]
+    model.model.layers = model.model.layers[:20]
+    model.config.num_hidden_layers = 20
+    return model

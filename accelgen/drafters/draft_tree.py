@@ -1,0 +1,171 @@
+"""Token trees from a draft model, shared by `specinfer` and `mcsd`: one batched draft forward per depth level.
+
+The tree grows level by level. A *plan* says which nodes of the deepest level get children and how many;
+one tree forward of the draft model scores the planned nodes (with their ancestors, under tree attention),
+and their children are picked from the draft distributions:
+
+    greedy                       the top-k tokens (verified by greedy match: any tree is exact)
+    sampling, with replacement   k i.i.d. draws from q: SpecInfer's multi-step rule is exact for them
+    sampling, without repl.      k draws from q, each removing the tokens drawn before (MCSD's rule)
+
+Duplicate siblings drawn with replacement stay separate nodes: merging them would change the law the
+verifier relies on. For sampling, how many children a node gets is fixed before they are drawn, and drawn
+children are never pruned afterwards, so the siblings the verifier sees are exactly the draws it expects.
+
+Static plans give every node of level d `branching[d]` children. Dynamic plans (EAGLE-2's idea) expand only
+the `width` nodes of the level with the highest cumulative draft log-probability (`width` children each); for greedy the finished
+tree is reranked, keeping the `max_nodes` most probable nodes (a node is never more probable than its
+parent, so they form a tree).
+
+Worked example, branching [2, 1]:   root ─ a(0) ─ c(2)      tokens  [a, b, c, d]
+                                         └ b(1) ─ d(3)      parents [-1, -1, 0, 1]
+The draft cache holds the context (root included). Level 1 comes from the root's logits; level 2 needs one
+forward over [a, b] with a tree mask (a and b do not see each other); the leaves c, d need no forward.
+The runner's tree mask lets new tokens see the whole cache, so the draft tree is never left in the cache:
+each level re-scores the planned nodes' ancestors, and the cache is cut back to the context right away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen.draft import ROOT, Draft, tree_attention
+from accelgen.models.runner import ModelRunner
+from accelgen.sampling import SamplingConfig, logits_to_probs, sample
+
+
+class DraftTreeDrafter:
+    def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, *,
+                 branching: list[int] | None = None, width: int = 0, depth: int = 0, max_nodes: int = 0,
+                 replacement: bool = True):
+        """Static tree: branching (children per node at each depth). Dynamic tree: width, depth, max_nodes."""
+        if branching is not None:
+            branching = [int(width) for width in branching]
+            if not branching or min(branching) < 1:
+                raise ValueError(f"branching must be a non-empty list of positive widths, got {branching}")
+        elif width < 1 or depth < 1 or max_nodes < 1:
+            raise ValueError(f"a dynamic tree needs width, depth and max_nodes >= 1, got {width}, {depth}, {max_nodes}")
+        self.runner = ModelRunner(draft_model)
+        self.sampling = sampling
+        self.generator = generator
+        self.branching = branching
+        self.width, self.depth, self.max_nodes = width, depth, max_nodes
+        self.replacement = replacement
+        self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds: the committed context
+
+    @property
+    def dynamic(self) -> bool:
+        return self.branching is None
+
+    def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
+        depth = len(self.branching) if not self.dynamic else self.depth
+        depth = min(depth, self.runner.max_positions - len(context))  # the draft model's own context limit
+        if self.dynamic:
+            max_nodes = min(max_nodes, self.max_nodes)
+        if depth <= 0 or max_nodes <= 0:
+            return Draft.empty()
+        rerank = self.dynamic and self.sampling.greedy  # only greedy may prune drawn nodes
+        budget = None if rerank else max_nodes
+        tokens: list[int] = []
+        parents: list[int] = []
+        rows: list[torch.Tensor] = []  # (vocab,) the draft distribution each node was drawn from (at its parent)
+        log_probs: list[float] = []  # cumulative draft log-probability of each node's path
+        frontier = [ROOT]
+        for level in range(depth):
+            plan = self._plan(level, frontier, log_probs)
+            if budget is not None:
+                plan = _within_budget(plan, budget - len(tokens))
+            if not plan:
+                break
+            nodes = [node for node, _ in plan]
+            logits = self._catch_up(context.tolist())[None] if level == 0 else self._score(tokens, parents, nodes)
+            frontier = []
+            for (node, count), node_logits in zip(plan, logits):
+                base = log_probs[node] if node != ROOT else 0.0
+                for token, row, log_prob in self._children(node_logits, count):
+                    tokens.append(token)
+                    parents.append(node)
+                    rows.append(row)
+                    log_probs.append(base + log_prob)
+                    frontier.append(len(tokens) - 1)
+        draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                      None if self.sampling.greedy else torch.stack(rows))
+        return _most_probable(draft, log_probs, max_nodes) if rerank else draft
+
+    def update(self, draft, verdict, target_logits) -> None:
+        pass  # the next proposal rolls the draft cache back to the committed context
+
+    def _plan(self, level: int, frontier: list[int], log_probs: list[float]) -> list[tuple[int, int]]:
+        """[(node, number of children)] for the nodes of the deepest level, in node order."""
+        if not self.dynamic:
+            return [(node, self.branching[level]) for node in frontier]
+        if frontier == [ROOT]:
+            return [(ROOT, self.width)]
+        best = sorted(frontier, key=lambda node: -log_probs[node])[: self.width]
+        return [(node, self.width) for node in sorted(best)]
+
+    def _children(self, logits: torch.Tensor, count: int) -> list[tuple[int, torch.Tensor | None, float]]:
+        """[(token, the row it was drawn from or None, its draft log-probability)] for one node's children."""
+        if self.sampling.greedy:
+            log_q = torch.log_softmax(logits, dim=-1)
+            best = torch.topk(log_q, min(count, len(log_q))).indices.tolist()
+            return [(token, None, min(0.0, float(log_q[token]))) for token in best]  # rounding: never above the parent
+        draft_probs = logits_to_probs(logits, self.sampling)  # (vocab,)
+        drawn, left = [], draft_probs.clone()
+        for _ in range(count):
+            if left.sum() <= 0:  # without replacement: the support (after top-k / top-p) is used up
+                break
+            token = sample(left / left.sum(), self.generator)
+            drawn.append((token, draft_probs, float(torch.log(draft_probs[token]))))
+            if not self.replacement:
+                left[token] = 0.0
+        return drawn
+
+    def _catch_up(self, context: list[int]) -> torch.Tensor:
+        """Roll the draft cache back to what it shares with context, feed the rest; (vocab,) root logits."""
+        shared = 0
+        limit = min(len(self.cached_tokens), len(context) - 1)  # always feed at least the last token
+        while shared < limit and self.cached_tokens[shared] == context[shared]:
+            shared += 1
+        self.runner.keep(shared, [])
+        self.cached_tokens = list(context)
+        return self.runner.forward(torch.tensor(context[shared:]), last_only=True)[-1]
+
+    def _score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(nodes), vocab) draft logits after each of nodes: one tree forward over nodes and their ancestors.
+
+        Example: parents [-1, -1, 0, 1], nodes [2]: the forward covers nodes [0, 2] as the chain a ─ c.
+        """
+        needed = set()
+        for node in nodes:
+            while node != ROOT and node not in needed:
+                needed.add(node)
+                node = parents[node]
+        kept = sorted(needed)  # parents still come first
+        position = {node: i for i, node in enumerate(kept)}
+        kept_parents = torch.tensor([position.get(parents[node], ROOT) for node in kept], dtype=torch.long)
+        tree = tree_attention(kept_parents)[1:, 1:]  # (m, m); the root is already in the cache
+        logits = self.runner.forward(torch.tensor([tokens[node] for node in kept]), tree)  # (m, vocab)
+        self.runner.keep(len(self.cached_tokens), [])  # forget the draft tree: back to the context
+        return logits[[position[node] for node in nodes]]
+
+
+def _within_budget(plan: list[tuple[int, int]], room: int) -> list[tuple[int, int]]:
+    """The plan cut to at most `room` children in all (earlier nodes first)."""
+    kept = []
+    for node, count in plan:
+        count = min(count, room)
+        if count <= 0:
+            break
+        kept.append((node, count))
+        room -= count
+    return kept
+
+
+def _most_probable(draft: Draft, log_probs: list[float], max_nodes: int) -> Draft:
+    """The max_nodes nodes with the highest path log-probability (ties: earlier node), as a Draft."""
+    kept = sorted(sorted(range(len(draft)), key=lambda node: (-log_probs[node], node))[:max_nodes])
+    position = {node: i for i, node in enumerate(kept)}
+    position[ROOT] = ROOT
+    parents = [position[int(draft.parents[node])] for node in kept]
+    return Draft(draft.tokens[kept], torch.tensor(parents, dtype=torch.long))
