@@ -83,14 +83,20 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def tree_attention(parents: torch.Tensor) -> torch.Tensor:
-    """(n+1, n+1) bool: row r may attend to column c (root is row/col 0, node i is i+1); ancestors and self."""
+def tree_attention(parents: torch.Tensor, prefix: int = 1) -> torch.Tensor:
+    """(prefix+n, prefix+n) bool: row r may attend to column c; ancestors and self.
+
+    The first `prefix` rows are committed tokens in causal order, the last of them the root; node i is row
+    prefix+i and sees the whole prefix plus its own ancestors. prefix > 1 lets the first step of generation
+    feed the prompt and the first draft in one forward.
+    """
     n = len(parents)
-    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    allowed[:, 0] = True
+    allowed = torch.zeros(prefix + n, prefix + n, dtype=torch.bool)
+    allowed[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
     for i, parent in enumerate(parents.tolist()):
-        allowed[i + 1] = allowed[parent + 1]  # a node sees what its parent sees (root row when parent is ROOT)
-        allowed[i + 1, i + 1] = True
+        row = prefix + i
+        allowed[row] = allowed[prefix - 1 if parent == ROOT else prefix + parent]  # what its parent sees...
+        allowed[row, row] = True  # ...and itself
     return allowed
 
 

@@ -1,8 +1,9 @@
 """The generation loop: propose → score → verify → commit, the same for every method.
 
 Invariant between steps: the target's KV cache holds every committed token except the last one, the *root*
-of the next draft. Each step feeds root + draft nodes in one forward, so the root's logits predict the
-first draft token, and plain decoding is simply the step with an empty draft.
+of the next draft. Each step feeds the tokens the cache lacks (the whole prompt at first, then just the root)
+and the draft nodes in one forward, so the root's logits predict the first draft token; plain decoding is
+simply the step with an empty draft.
 """
 
 from __future__ import annotations
@@ -142,20 +143,18 @@ def _steps(target: ModelRunner, drafter, verify, prompt_ids: list[int], output: 
     """The loop. Yields a Chunk per step; returns the GenerationResult."""
     stats = Stats()
     context = torch.tensor(prompt_ids, dtype=torch.long)
-    if not output.done:
-        # prefill all but the last prompt token, which becomes the first root
-        if len(prompt_ids) > 1:
-            target.forward(context[:-1], last_only=True)
     while not output.done:
         # 1. propose: never draft past max_new_tokens (the step adds one token of its own) or the context
         room = min(output.max_new_tokens - len(output.token_ids), target.max_positions - len(context)) - 1
         started = time.perf_counter()
         draft = drafter.propose(context, room).truncated(max(room, 0)) if room > 0 else Draft.empty()
         stats.draft_seconds += time.perf_counter() - started
-        # 2. score: root + every draft node in one target forward
-        prefix = target.length
-        tree = None if draft.is_chain else tree_attention(draft.parents)
-        target_logits = target.forward(torch.cat([context[-1:], draft.tokens]), tree)  # (n+1, vocab)
+        # 2. score: the uncached tokens (ending with the root) + every draft node in one target forward
+        uncached = context[target.length :]  # (p,) the prompt on the first step, afterwards the root alone
+        prefix = len(context) - 1  # cache positions before the root
+        tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
+        target_logits = target.forward(torch.cat([uncached, draft.tokens]), tree, logits_for_last=len(draft) + 1)
+        # target_logits: (n+1, vocab), row 0 at the root, row i+1 after node i
         # 3. verify
         verdict = verify(draft, target_logits, generator)
         # 4. commit: the cache keeps the root and the accepted path; the next token becomes the new root

@@ -47,3 +47,15 @@ def test_truncation_keeps_a_tree_and_its_probs():
 def test_verdict_new_tokens_are_accepted_then_next():
     draft = Draft(torch.tensor([10, 11, 12]), torch.tensor([ROOT, ROOT, 1]))
     assert Verdict(accepted=[1, 2], next_token=99).new_tokens(draft) == [11, 12, 99]
+
+
+def test_tree_attention_after_a_causal_prefix():
+    """The first step feeds the prompt (prefix 3, the root last) and a two-branch draft together."""
+    allowed = tree_attention(torch.tensor([ROOT, ROOT]), prefix=3).int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 1],
+    ]

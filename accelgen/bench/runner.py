@@ -221,13 +221,13 @@ def measure_costs(model, draft_model, prompt_ids: list[int]) -> dict:
 def forward_seconds(model, prompt_ids: list[int], repeats: int = COST_REPEATS) -> float:
     runner = ModelRunner(model)
     if len(prompt_ids) > 1:
-        runner.forward(torch.tensor(prompt_ids[:-1]), last_only=True)
+        runner.forward(torch.tensor(prompt_ids[:-1]), logits_for_last=1)
     prefix = runner.length
     last = torch.tensor(prompt_ids[-1:])
     times = []
     for _ in range(repeats + 1):  # the first one warms up
         started = time.perf_counter()
-        runner.forward(last, last_only=True)
+        runner.forward(last, logits_for_last=1)
         times.append(time.perf_counter() - started)
         runner.keep(prefix, [])  # forget the token again
     return statistics.median(times[1:])

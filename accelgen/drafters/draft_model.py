@@ -76,7 +76,7 @@ class DraftModelDrafter:
             shared += 1
         self.runner.keep(shared, [])
         self.cached_tokens = list(context)
-        return self.runner.forward(torch.tensor(context[shared:]), last_only=True)[-1]
+        return self.runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
 
     def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
         if self.gamma_schedule == "heuristic":  # as HF assisted generation: grow on full acceptance, else shrink

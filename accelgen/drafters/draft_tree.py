@@ -129,7 +129,7 @@ class DraftTreeDrafter:
             shared += 1
         self.runner.keep(shared, [])
         self.cached_tokens = list(context)
-        return self.runner.forward(torch.tensor(context[shared:]), last_only=True)[-1]
+        return self.runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
 
     def _score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
         """(len(nodes), vocab) draft logits after each of nodes: one tree forward over nodes and their ancestors.

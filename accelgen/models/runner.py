@@ -31,12 +31,13 @@ class ModelRunner:
         self.cache = kv.new_cache(self.config)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
         """Append token_ids (m,) after the cached positions and return their logits, (m, vocab) float32.
 
         tree: None for a causal chain, else (m, m) bool, tree[r, c] = new token r may attend to new token c
         (ancestors and itself); each token's position is then the cache length + its depth in the tree.
-        last_only: compute logits for the last token only, returning (1, vocab) (prefill, drafting).
+        logits_for_last: compute logits for the last k tokens only, returning (k, vocab); 0 = all tokens.
+        (A prompt needs no logits but its last token's: skipping the rest saves a vocab-sized matmul per token.)
         """
         start = self.length
         m = token_ids.shape[0]
@@ -52,7 +53,7 @@ class ModelRunner:
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=logits_for_last,
         )
         return output.logits[0].float()
 
