@@ -69,14 +69,9 @@ class DraftModelDrafter:
         return Draft.chain(torch.tensor(tokens), draft_probs)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor:
-        """Roll the draft cache back to what it shares with context, feed the rest; (vocab,) next-token logits."""
-        shared = 0
-        limit = min(len(self.cached_tokens), len(context) - 1)  # always feed at least the last token
-        while shared < limit and self.cached_tokens[shared] == context[shared]:
-            shared += 1
-        self.runner.keep(shared, [])
+        logits = catch_up(self.runner, self.cached_tokens, context)
         self.cached_tokens = list(context)
-        return self.runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
+        return logits
 
     def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
         if self.gamma_schedule == "heuristic":  # as HF assisted generation: grow on full acceptance, else shrink
@@ -84,6 +79,17 @@ class DraftModelDrafter:
                 self.gamma = min(self.gamma + 2, self.max_gamma)
             else:
                 self.gamma = max(self.gamma - 1, 1)
+
+
+def catch_up(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> torch.Tensor:
+    """Roll a draft cache holding cached_tokens back to what it shares with context and feed the rest;
+    returns the (vocab,) logits after context. At least the last token is always fed, to get its logits."""
+    shared = 0
+    limit = min(len(cached_tokens), len(context) - 1)
+    while shared < limit and cached_tokens[shared] == context[shared]:
+        shared += 1
+    runner.keep(shared, [])
+    return runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
 
 
 def check_vocabularies(target_model, draft_model) -> None:

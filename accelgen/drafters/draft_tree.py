@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import ROOT, Draft, tree_attention
+from accelgen.drafters.draft_model import catch_up
 from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 
@@ -122,14 +123,9 @@ class DraftTreeDrafter:
         return drawn
 
     def _catch_up(self, context: list[int]) -> torch.Tensor:
-        """Roll the draft cache back to what it shares with context, feed the rest; (vocab,) root logits."""
-        shared = 0
-        limit = min(len(self.cached_tokens), len(context) - 1)  # always feed at least the last token
-        while shared < limit and self.cached_tokens[shared] == context[shared]:
-            shared += 1
-        self.runner.keep(shared, [])
+        logits = catch_up(self.runner, self.cached_tokens, context)
         self.cached_tokens = list(context)
-        return self.runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
+        return logits
 
     def _score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
         """(len(nodes), vocab) draft logits after each of nodes: one tree forward over nodes and their ancestors.

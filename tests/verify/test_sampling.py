@@ -5,8 +5,6 @@ E|p_hat - p| <= sqrt(p / N)), and TV concentrates around its mean within sqrt(ln
 so a correct sampler exceeds the bound with probability below delta = 1e-6.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -14,20 +12,9 @@ from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.sampling import sample
 from accelgen.verify import verify_speculative_sampling
 
-VOCAB = 12
+from .conftest import VOCAB, random_distribution, total_variation, tv_bound
+
 DRAWS = 20_000
-
-
-def tv_bound(categories: int, draws: int, delta: float = 1e-6) -> float:
-    return 0.5 * math.sqrt(categories / draws) + math.sqrt(math.log(1 / delta) / (2 * draws))
-
-
-def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
-
-
-def random_distribution(generator, *shape, sharpness=2.0) -> torch.Tensor:
-    return torch.softmax(sharpness * torch.randn(*shape, VOCAB, generator=generator), dim=-1)
 
 
 def always_accept(draft: Draft, target_probs, generator) -> Verdict:
