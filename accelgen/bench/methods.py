@@ -21,6 +21,9 @@ from accelgen.generate import eos_token_ids
 from accelgen.registry import merge_options
 
 BASELINE = "hf-greedy"
+# Needs every benchmark prompt meets by itself: `llma` copies from reference documents, and with none given
+# the prompt is the reference (as in retrieval-augmented generation, where the documents are in the prompt).
+PROMPT_RESOURCES = {"references"}
 LOSSLESS = ("greedy-exact", "distribution-exact")
 
 
@@ -143,6 +146,8 @@ def run_method(
 
 def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
     needs_draft = "draft_model" in method.needs
+    if "references" in method.needs and not options.get("references"):
+        options = {**options, "references": [prompt_ids]}  # benchmark prompts carry no documents: see PROMPT_RESOURCES
     started = time.perf_counter()
     result = accelgen.generate(model, tokenizer, prompt_ids, method=method.name,
                                draft_model=draft_model if needs_draft else None, max_new_tokens=max_new_tokens,

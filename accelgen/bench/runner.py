@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +27,7 @@ import torch
 import accelgen
 from accelgen.bench import audit
 from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
-from accelgen.bench.methods import BASELINE, BenchMethod, resolve_methods, run_method
+from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
 from accelgen.models.runner import ModelRunner
 
@@ -79,7 +80,7 @@ class Plan:
 
 def plan(config: BenchConfig) -> Plan:
     config.validate()
-    resources = {"draft_model"} if config.draft else set()
+    resources = PROMPT_RESOURCES | ({"draft_model"} if config.draft else set())
     methods, notes = resolve_methods(config.methods, resources, config.temperature, config.options)
     options = {m.name: m.check_options(config.options.get(m.name, {})) for m in methods}
     prompts = load_dataset(config.dataset, config.limit, config.categories)
@@ -115,7 +116,7 @@ def run(
 
     records = read_jsonl(out_dir / RECORDS_FILE)
     done = {(r["prompt_id"], r["method"]) for r in records}
-    pending = [(i, m) for i in range(len(plan.prompts)) for m in rotated(plan.methods, i)
+    pending = [(i, m) for i in range(len(plan.prompts)) for m in shuffled(plan.methods, i)
                if (plan.prompts[i].id, m.name) not in done]
     if pending and config.warmup:
         for method in plan.methods:  # untimed: first calls pay for allocation and kernel selection
@@ -147,10 +148,10 @@ def ratio_or_none(numerator, denominator) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def rotated(methods: list, index: int) -> list:
-    """Methods in a different order for each prompt, so that no method always runs right after another."""
-    shift = index % len(methods)
-    return methods[shift:] + methods[:shift]
+def shuffled(methods: list, index: int) -> list:
+    """The methods in a fixed random order per prompt (seeded by the prompt's index), so that no method always
+    runs first, last, or right after the same other method (a rotation would keep the same neighbours)."""
+    return random.Random(index).sample(methods, len(methods))
 
 
 def run_identity(plan: Plan, prompt_ids: list[list[int]]) -> dict:

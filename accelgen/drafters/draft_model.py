@@ -27,7 +27,10 @@ class DraftModelDrafter:
         gamma_schedule: str = "constant",
         max_gamma: int = 32,
         confidence_threshold: float = 0.0,
+        greedy_draft_probs: bool = False,
     ):
+        """greedy_draft_probs: at temperature 0, also attach the draft model's distribution (softmax at
+        temperature 1) at each drafted position, for verification rules that use it (`contrastive`)."""
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if gamma_schedule not in GAMMA_SCHEDULES:
@@ -39,6 +42,7 @@ class DraftModelDrafter:
         self.gamma_schedule = gamma_schedule
         self.max_gamma = max_gamma
         self.confidence_threshold = confidence_threshold
+        self.greedy_draft_probs = greedy_draft_probs
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
@@ -52,6 +56,8 @@ class DraftModelDrafter:
             if self.sampling.greedy:
                 token = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0
+                if self.greedy_draft_probs:
+                    probs.append(torch.softmax(logits, -1))
             else:
                 step_probs = logits_to_probs(logits, self.sampling)
                 token = sample(step_probs, self.generator)
@@ -84,12 +90,18 @@ class DraftModelDrafter:
 def catch_up(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> torch.Tensor:
     """Roll a draft cache holding cached_tokens back to what it shares with context and feed the rest;
     returns the (vocab,) logits after context. At least the last token is always fed, to get its logits."""
+    shared = roll_back(runner, cached_tokens, context)
+    return runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
+
+
+def roll_back(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> int:
+    """Keep the longest cached prefix shared with context, short of its last token; returns its length."""
     shared = 0
     limit = min(len(cached_tokens), len(context) - 1)
     while shared < limit and cached_tokens[shared] == context[shared]:
         shared += 1
     runner.keep(shared, [])
-    return runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
+    return shared
 
 
 def check_vocabularies(target_model, draft_model) -> None:

@@ -6,9 +6,7 @@ repeats an earlier answer; in multi-turn chat it reuses the previous turn. The u
 is n = 1) occur in a reference, the next copy_length tokens of that reference are the draft. With
 branches > 1, distinct spans from several matches are verified together as a token tree.
 
-References are token-id lists. Text references need the tokenizer, which the loop does not hand to drafter
-factories yet: they work when a `tokenizer` keyword reaches the factory and raise a clear error otherwise.
-Drafts are deterministic, so the method is exact for sampling too.
+References are texts (tokenized with the target's tokenizer) or token-id lists. Drafts are deterministic, so the method is exact for sampling too.
 """
 
 from __future__ import annotations

@@ -4,5 +4,10 @@ from accelgen.verify.block import verify_block
 from accelgen.verify.greedy import verify_greedy
 from accelgen.verify.multi_candidate import verify_without_replacement
 from accelgen.verify.sampling import verify_speculative_sampling
+from accelgen.verify.bild import verify_bild
+from accelgen.verify.contrastive import check_contrastive_options, verify_contrastive
+from accelgen.verify.specdec import check_specdec_options, verify_specdec
+from accelgen.verify.spectr import verify_spectr
 
 __all__ = ["verify_block", "verify_greedy", "verify_speculative_sampling", "verify_without_replacement"]
+__all__ += ["check_contrastive_options", "check_specdec_options", "verify_bild", "verify_contrastive", "verify_specdec", "verify_spectr"]

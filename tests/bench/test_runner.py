@@ -154,6 +154,16 @@ def test_sampling_run_reports_speed_and_tau_only(tmp_path, prompts_file, tiny_ta
     assert "sampling run" in (out_dir / "report.md").read_text()
 
 
+def test_method_order_is_shuffled_per_prompt_and_reproducible():
+    methods = list("abcdef")
+    orders = [runner.shuffled(methods, index) for index in range(20)]
+    assert all(sorted(order) == methods for order in orders)
+    assert orders == [runner.shuffled(methods, index) for index in range(20)]
+    assert len({order[0] for order in orders}) > 3  # not always the same method first
+    followers_of_a = {order[order.index("a") + 1] for order in orders if order[-1] != "a"}
+    assert len(followers_of_a) > 1  # unlike a rotation, neighbours change
+
+
 def test_resolve_methods():
     default, notes = methods.resolve_methods(None, resources=set(), temperature=0)
     names = [m.name for m in default]
@@ -167,6 +177,16 @@ def test_resolve_methods():
         methods.resolve_methods(["speculative"], set(), 0)
     with pytest.raises(ValueError, match="options given for 'speculative'"):
         methods.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
+
+
+def test_llma_copies_from_the_prompt_when_no_references_are_given(smollm):
+    model, tokenizer = smollm
+    chosen, _ = methods.resolve_methods(["llma"], runner.PROMPT_RESOURCES, 0)
+    llma = chosen[1]
+    prompt_ids = tokenizer("one two three four five six seven eight nine ten. one two three four five six").input_ids
+    record = methods.run_accelgen(llma, model, tokenizer, prompt_ids, draft_model=None, max_new_tokens=6,
+                                  temperature=0, seed=0, options=llma.check_options({}))
+    assert record["accepted_draft_tokens"] > 0 and record["target_forwards"] < 6
 
 
 def test_hf_committed_per_step_from_cache_lengths():

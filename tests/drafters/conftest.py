@@ -3,6 +3,7 @@ model that falls into a cycle, a SmolLM2 copy task, and a check that sampling ke
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -173,3 +174,12 @@ def smollm_shallow():
     model.model.layers = model.model.layers[:20]
     model.config.num_hidden_layers = 20
     return model
+
+
+@pytest.fixture(scope="session")
+def smollm_26_layers(smollm):
+    """SmolLM2 without its last 4 of 30 layers: a draft model that is right often, but far from always."""
+    draft_model = copy.deepcopy(smollm[0])
+    draft_model.model.layers = draft_model.model.layers[:26]
+    draft_model.config.num_hidden_layers = 26
+    return draft_model

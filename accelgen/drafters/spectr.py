@@ -1,0 +1,54 @@
+"""SpecTr (Sun et al. 2023, arXiv:2310.15141): K i.i.d. draft sequences, one selected exactly by K-SEQ.
+
+The draft model samples `num_drafts` independent sequences of `gamma` tokens: a token tree whose root has
+`num_drafts` children drawn i.i.d. from the draft distribution, each continued by a chain of one child per
+level (draft_tree.py, branching [num_drafts, 1, ..., 1], with replacement). The target scores all of them in
+one forward and K-SEQ (verify/spectr.py) selects a token at each depth so that the output follows the target
+distribution exactly. At temperature 0 the root gets the draft's top-`num_drafts` tokens, each continued
+greedily, and greedy matching keeps the longest path the target agrees with.
+"""
+
+from __future__ import annotations
+
+from accelgen.drafters.draft_model import check_vocabularies
+from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.generate import default_verifier
+from accelgen.registry import MethodSpec, register
+from accelgen.sampling import logits_to_probs
+from accelgen.verify import verify_spectr
+
+
+def _check(num_drafts, gamma) -> None:
+    for name, value in (("num_drafts", num_drafts), ("gamma", gamma)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"spectr: {name} must be an integer >= 1, got {value!r}")
+
+
+def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, num_drafts, gamma):
+    _check(num_drafts, gamma)
+    check_vocabularies(target_model, draft_model)
+    return DraftTreeDrafter(draft_model, sampling, generator, branching=[num_drafts] + [1] * (gamma - 1),
+                            replacement=True)  # K-SEQ needs i.i.d. sequences: duplicates included
+
+
+def _make_verifier(sampling, *, num_drafts, gamma):
+    _check(num_drafts, gamma)
+    if sampling.greedy:
+        return default_verifier(sampling)
+    return lambda draft, target_logits, generator: verify_spectr(draft, logits_to_probs(target_logits, sampling), generator)
+
+
+register(
+    MethodSpec(
+        name="spectr",
+        family="speculative",
+        lossless="distribution-exact",
+        paper="Sun et al. 2023, arXiv:2310.15141",
+        summary="the draft model samples num_drafts independent sequences; K-SEQ (optimal transport with membership "
+                "cost, approximated) selects one token per depth exactly from the target distribution",
+        make_drafter=_make,
+        needs=("draft_model",),
+        options={"num_drafts": 4, "gamma": 4},
+        make_verifier=_make_verifier,
+    )
+)
