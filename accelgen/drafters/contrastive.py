@@ -16,8 +16,6 @@ from accelgen.verify import check_contrastive_options, verify_contrastive
 
 def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, gamma, alpha, beta):
     check_vocabularies(target_model, draft_model)
-    if not sampling.greedy:
-        raise ValueError("method 'contrastive' supports greedy decoding only (temperature 0)")
     return DraftModelDrafter(draft_model, sampling, generator, gamma=gamma, greedy_draft_probs=True)
 
 
