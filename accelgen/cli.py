@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from accelgen.registry import parse_option_value
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster generation for Hugging Face causal LMs.")
 console = Console(stderr=True)
 
@@ -27,10 +29,7 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"method option {pair!r} must look like name=value")
-        try:
-            options[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key.replace("-", "_")] = value
+        options[key.replace("-", "_")] = parse_option_value(value)
     return options
 
 
@@ -115,7 +114,8 @@ def methods(
 
     specs = accelgen.list_methods()
     if as_json:
-        print(json.dumps([{"name": s.name, "family": s.family, "lossless": s.lossless, "needs": list(s.needs),
+        print(json.dumps([{"name": s.name, "family": s.family, "lossless": s.lossless, "can_sample": s.can_sample,
+                           "needs": list(s.needs),
                            "options": s.options, "paper": s.paper, "summary": s.summary} for s in specs], indent=1))
         return
     if markdown:
@@ -123,8 +123,12 @@ def methods(
         return
     table = Table("method", "family", "lossless", "needs", "options", "paper")
     for s in specs:
-        table.add_row(s.name, s.family, s.lossless, ", ".join(s.needs) or "-", format_options(s.options), s.paper)
+        table.add_row(s.name, s.family, lossless_label(s), ", ".join(s.needs) or "-", format_options(s.options), s.paper)
     table_console().print(table)
+
+
+def lossless_label(spec) -> str:
+    return spec.lossless + (" (greedy only)" if spec.greedy_only else "")
 
 
 def format_options(options: dict) -> str:
@@ -135,7 +139,7 @@ def methods_markdown(specs) -> str:
     rows = ["| method | family | lossless class | needs | options | what it does | paper |", "|---|---|---|---|---|---|---|"]
     for s in specs:
         options = format_options(s.options).replace("|", "\\|")
-        rows.append(f"| `{s.name}` | {s.family} | {s.lossless} | {', '.join(s.needs) or '-'} | {options} | {s.summary} | {s.paper} |")
+        rows.append(f"| `{s.name}` | {s.family} | {lossless_label(s)} | {', '.join(s.needs) or '-'} | {options} | {s.summary} | {s.paper} |")
     return "\n".join(rows)
 
 
@@ -174,6 +178,102 @@ _register_bench(app)
 from accelgen.datastore_cli import register as _register_datastore  # noqa: E402
 
 _register_datastore(app)
+
+
+@app.command()
+def profile(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id, local folder or .gguf file."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also measure c and predict γ."),
+    dtype: Optional[str] = typer.Option(None),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    context_tokens: int = typer.Option(256, "--context-tokens", help="KV-cache length the forwards run after."),
+    sizes: str = typer.Option("1,2,4,8,16,32", help="Block sizes k to time, comma-separated."),
+    alphas: str = typer.Option("0.5,0.6,0.7,0.8,0.9", help="Acceptance rates to predict speedups for."),
+    repeats: int = typer.Option(5, help="Timed forwards per size (median)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Measure forward costs: verification cost r(k), the draft's cost ratio c, and the predicted best γ."""
+    import torch
+
+    from accelgen.profile import profile as measure, speedup_table
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        block_sizes = [int(size) for size in sizes.split(",")]
+        acceptance = [float(alpha) for alpha in alphas.split(",")]
+    except ValueError:
+        raise typer.BadParameter("--sizes takes integers and --alphas numbers, comma-separated") from None
+    if min(block_sizes) < 1 or context_tokens < 1 or not all(0 <= alpha <= 1 for alpha in acceptance):
+        raise typer.BadParameter("sizes and --context-tokens must be >= 1, acceptance rates within [0, 1]")
+    target_model, _ = load_with_progress(model, dtype)
+    draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
+    with console.status("profiling …") as status:
+        result = measure(target_model, draft_model, context_tokens=context_tokens, sizes=block_sizes,
+                         repeats=repeats, progress=lambda message: status.update(f"profiling: {message} …"))
+    if draft_model is not None:
+        result["predictions"] = speedup_table(result, acceptance)
+    if as_json:
+        print(json.dumps(result, indent=1))
+        return
+    out = table_console()
+    table = Table("k (tokens per forward)", "target forward (ms)", "r(k) = t(k) / t(1)")
+    for k, seconds in result["target_seconds"].items():
+        table.add_row(str(k), f"{seconds * 1000:.1f}", f"{result['verify_ratio'][k]:.2f}")
+    out.print(f"{model}: one forward over k tokens after {context_tokens} cached tokens")
+    out.print(table)
+    if draft_model is not None:
+        out.print(f"{draft}: {result['draft_seconds'] * 1000:.1f} ms per token, c = {result['cost_ratio']:.3f}")
+        table = Table("α", "best γ", "predicted speedup E / (γc + r(γ+1))")
+        for row in result["predictions"]:
+            table.add_row(f"{row['alpha']:.2f}", str(row["best_gamma"]), f"{row['predicted_speedup']:.2f}×")
+        out.print(table)
+
+
+@app.command()
+def tune(
+    method: str = typer.Argument(..., help="The method to tune: self-speculative."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name or local folder (the result is saved beside it)."),
+    dtype: Optional[str] = typer.Option(None),
+    dataset: str = typer.Option("humaneval", help="Calibration prompts, taken from the end of this dataset."),
+    prompts: int = typer.Option(3, help="Number of calibration prompts."),
+    trials: int = typer.Option(40, help="Skip sets to try (the first is the default one)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    gamma: int = typer.Option(4),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+):
+    """Tune a method for a model on this machine: for self-speculative, the layers skipped when drafting."""
+    import torch
+
+    from accelgen.bench.datasets import load_dataset, prompt_token_ids
+    from accelgen.tune import save_tuned_skip, tune_self_speculative
+
+    if method != "self-speculative":
+        raise typer.BadParameter(f"only self-speculative can be tuned, not {method!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    target_model, tokenizer = load_with_progress(model, dtype)
+    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in load_dataset(dataset)[-prompts:]]
+    best = {"speedup": 0.0}
+
+    def show(trial: int, scores: dict) -> None:
+        best["speedup"] = max(best["speedup"], scores["speedup"])
+        console.print(f"trial {trial + 1}/{trials}: {scores['speedup']:.2f}× autoregressive, τ {scores['tau']:.2f} "
+                      f"(best {best['speedup']:.2f}×)")
+
+    try:
+        result = tune_self_speculative(target_model, tokenizer, calibration, trials=trials, max_new_tokens=max_new_tokens,
+                                       gamma=gamma, seed=seed, progress=show)
+        path = save_tuned_skip(target_model, result)
+    except (ValueError, RuntimeError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2)
+    skip = result["skip"]
+    console.print(f"best: skip attention {skip['skip_attention']}, MLP {skip['skip_mlp']}: "
+                  f"{result['speedup']:.2f}× autoregressive on the calibration prompts, τ {result['tau']:.2f}")
+    console.print(f"saved to {path}; `--method self-speculative` uses it from now on")
 
 
 def main():

@@ -20,6 +20,7 @@ Worked example, two branches after the root:   root ─ a(0) ─ b(1)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -84,16 +85,27 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
 
 
 def tree_attention(parents: torch.Tensor, prefix: int = 1) -> torch.Tensor:
-    """(prefix+n, prefix+n) bool: row r may attend to column c; ancestors and self.
+    """(prefix+n, prefix+n) bool: row r may attend to column c; ancestors and self. Read-only: it may be shared.
 
     The first `prefix` rows are committed tokens in causal order, the last of them the root; node i is row
     prefix+i and sees the whole prefix plus its own ancestors. prefix > 1 lets the first step of generation
     feed the prompt and the first draft in one forward.
     """
+    if prefix == 1:  # every step after the first: a static tree shape repeats, so build it once
+        return _tree_attention_after_root(tuple(parents.tolist()))
+    return _build_tree_attention(parents.tolist(), prefix)
+
+
+@functools.lru_cache(maxsize=256)
+def _tree_attention_after_root(parents: tuple[int, ...]) -> torch.Tensor:
+    return _build_tree_attention(list(parents), 1)
+
+
+def _build_tree_attention(parents: list[int], prefix: int) -> torch.Tensor:
     n = len(parents)
     allowed = torch.zeros(prefix + n, prefix + n, dtype=torch.bool)
     allowed[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
-    for i, parent in enumerate(parents.tolist()):
+    for i, parent in enumerate(parents):
         row = prefix + i
         allowed[row] = allowed[prefix - 1 if parent == ROOT else prefix + parent]  # what its parent sees...
         allowed[row, row] = True  # ...and itself

@@ -110,7 +110,7 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     sampling = SamplingConfig(temperature, top_k, top_p)
-    if not sampling.greedy and spec.lossless == "greedy-exact":
+    if not sampling.greedy and not spec.can_sample:
         raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
     prompt_ids = encode_prompt(tokenizer, prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,10 +26,15 @@ class MethodSpec:
     # (sampling, **options) -> verify(draft, target_logits, generator) -> Verdict, for a method with its own
     # verification rule; None: greedy match at temperature 0, speculative sampling otherwise
     make_verifier: Callable | None = None
+    greedy_only: bool = False  # a lossy rule that relaxes greedy matching (greedy-exact methods are greedy only anyway)
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:
             raise ValueError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
+
+    @property
+    def can_sample(self) -> bool:
+        return not self.greedy_only and self.lossless != "greedy-exact"
 
     def check_options(self, options: dict) -> dict:
         return merge_options(self.name, self.options, options)
@@ -41,6 +47,14 @@ def merge_options(method: str, defaults: dict, options: dict) -> dict:
         known = ", ".join(sorted(defaults)) or "none"
         raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
     return {**defaults, **options}
+
+
+def parse_option_value(text: str):
+    """An option value written on the command line: JSON where it parses ('8', '[2, 2]', 'true'), else text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 _METHODS: dict[str, MethodSpec] = {}

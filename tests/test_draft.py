@@ -59,3 +59,10 @@ def test_tree_attention_after_a_causal_prefix():
         [1, 1, 1, 1, 0],
         [1, 1, 1, 0, 1],
     ]
+
+
+def test_tree_attention_is_built_once_per_shape():
+    parents = [ROOT, 0, ROOT, 2]
+    first = tree_attention(torch.tensor(parents))
+    assert tree_attention(torch.tensor(parents)) is first
+    assert tree_attention(torch.tensor(parents), prefix=2).shape == (6, 6)  # the first step's shape is built afresh

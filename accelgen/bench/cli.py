@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from accelgen.registry import parse_option_value
 
 console = Console(stderr=True)
 
@@ -26,16 +27,23 @@ def parse_method_options(pairs: list[str]) -> dict[str, dict]:
         method, dot, name = key.rpartition(".")
         if not sep or not dot or not method or not name:
             raise ValueError(f"method option {pair!r} must look like method.name=value, e.g. speculative.gamma=8")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
-        options.setdefault(method, {})[name.replace("-", "_")] = parsed
+        options.setdefault(method, {})[name.replace("-", "_")] = parse_option_value(value)
     return options
 
 
 def split_list(text: Optional[str]) -> Optional[list[str]]:
-    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+    """'a, b@x=[1,2], c' -> ['a', 'b@x=[1,2]', 'c']: a comma inside brackets belongs to an option value."""
+    if not text:
+        return None
+    items, current, depth = [], "", 0
+    for char in text:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    return [item.strip() for item in items + [current] if item.strip()]
 
 
 def default_out_dir(dataset: str, model: str) -> Path:

@@ -11,6 +11,7 @@ the newest).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -18,9 +19,12 @@ import torch
 
 import accelgen
 from accelgen.generate import eos_token_ids
-from accelgen.registry import merge_options
+from accelgen.registry import merge_options, parse_option_value
 
 BASELINE = "hf-greedy"
+# A variant runs a method with some options set as a row of its own, e.g. to sweep a lossy method's
+# thresholds in one interleaved run: specdec@beta=2+tau=0.5 (values as JSON where they parse).
+VARIANT = "@"
 # Needs every benchmark prompt meets by itself: `llma` copies from reference documents, and with none given
 # the prompt is the reference (as in retrieval-augmented generation, where the documents are in the prompt).
 PROMPT_RESOURCES = {"references"}
@@ -36,6 +40,12 @@ class BenchMethod:
     needs: tuple[str, ...] = ()
     options: dict = field(default_factory=dict)  # option name -> default value
     summary: str = ""
+    can_sample: bool = True
+
+    @property
+    def registered_name(self) -> str:
+        """The method this row runs: its name without a variant's options."""
+        return self.name.partition(VARIANT)[0]
 
     @property
     def claims_lossless(self) -> bool:
@@ -69,8 +79,26 @@ def available_methods() -> dict[str, BenchMethod]:
         if spec.name in methods:
             raise ValueError(f"accelgen method {spec.name!r} clashes with a benchmark baseline name")
         methods[spec.name] = BenchMethod(spec.name, "accelgen", spec.family, spec.lossless, tuple(spec.needs),
-                                         dict(spec.options), spec.summary)
+                                         dict(spec.options), spec.summary, spec.can_sample)
     return methods
+
+
+def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
+    """The method called `name`: a known one, or a variant base@option=value+option=value of one."""
+    base_name, _, assignments = name.partition(VARIANT)
+    if base_name not in methods:
+        raise ValueError(f"unknown method {base_name!r}; available: {', '.join(methods)}")
+    if not assignments:
+        return methods[base_name]
+    values = {}
+    for pair in assignments.split("+"):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method variant {name!r}: write its options as name=value joined by '+', "
+                             "e.g. specdec@beta=2+tau=0.5")
+        values[key.replace("-", "_")] = parse_option_value(value)
+    base = methods[base_name]
+    return dataclasses.replace(base, name=name, options=base.check_options(values))
 
 
 def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
@@ -98,21 +126,18 @@ def resolve_methods(
             unmet = unmet_needs(method, resources, options.get(method.name, {}))
             if unmet:
                 notes.append(f"skipping {method.name}: needs {', '.join(unmet)}")
-            elif temperature > 0 and method.lossless == "greedy-exact":
+            elif temperature > 0 and not method.can_sample:
                 notes.append(f"skipping {method.name}: greedy only")
             else:
                 chosen.append(method)
     else:
-        unknown = [name for name in names if name not in methods]
-        if unknown:
-            raise ValueError(f"unknown method {', '.join(map(repr, unknown))}; available: {', '.join(methods)}")
-        chosen = [methods[name] for name in dict.fromkeys(names)]
+        chosen = [variant(methods, name) for name in dict.fromkeys(names)]
         for method in chosen:
             unmet = unmet_needs(method, resources, options.get(method.name, {}))
             if unmet:
                 hint = " (pass --draft)" if "draft_model" in unmet else ""
                 raise ValueError(f"method {method.name!r} needs {', '.join(unmet)}{hint}")
-            if temperature > 0 and method.lossless == "greedy-exact":
+            if temperature > 0 and not method.can_sample:
                 raise ValueError(f"method {method.name!r} supports greedy decoding only (temperature 0)")
         if BASELINE not in names:
             chosen.insert(0, methods[BASELINE])
@@ -149,7 +174,7 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
     if "references" in method.needs and not options.get("references"):
         options = {**options, "references": [prompt_ids]}  # benchmark prompts carry no documents: see PROMPT_RESOURCES
     started = time.perf_counter()
-    result = accelgen.generate(model, tokenizer, prompt_ids, method=method.name,
+    result = accelgen.generate(model, tokenizer, prompt_ids, method=method.registered_name,
                                draft_model=draft_model if needs_draft else None, max_new_tokens=max_new_tokens,
                                temperature=temperature, seed=seed, **options)
     seconds = time.perf_counter() - started
@@ -204,9 +229,9 @@ def hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, te
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)  # plain sampling, like accelgen's
     else:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    if method.name == "hf-assisted":
+    if method.registered_name == "hf-assisted":
         kwargs["assistant_model"] = assistant_with_options(draft_model, options)
-    elif method.name == "hf-prompt-lookup":
+    elif method.registered_name == "hf-prompt-lookup":
         kwargs.update(options)
     return kwargs
 

@@ -11,20 +11,25 @@ import math
 from statistics import fmean
 
 from accelgen.bench.methods import BASELINE
+from accelgen.quality import token_agreement
+from accelgen.theory import expected_tokens_per_forward, predicted_speedup
 
 OVERALL = "overall"
 
 
 def compare_with_baseline(records: list[dict], greedy: bool) -> list[dict]:
-    """Records with `speedup` (baseline seconds / own seconds, same prompt) and `identical` (token-exact with
-    the baseline; None for sampling runs or without a baseline record) added."""
+    """Records with `speedup` (baseline seconds / own seconds, same prompt), `identical` (token-exact with the
+    baseline) and `agreement` (accelgen.quality.token_agreement with it) added; the last two are None for
+    sampling runs or without a baseline record."""
     baseline = {r["prompt_id"]: r for r in records if r["method"] == BASELINE}
     compared = []
     for record in records:
         base = baseline.get(record["prompt_id"])
         speedup = base["seconds"] / record["seconds"] if base and record["seconds"] > 0 else None
-        identical = (record["token_ids"] == base["token_ids"]) if base and greedy else None
-        compared.append({**record, "speedup": speedup, "identical": identical})
+        checked = base is not None and greedy  # sampled outputs are not expected to match
+        identical = record["token_ids"] == base["token_ids"] if checked else None
+        agreement = token_agreement(base["token_ids"], record["token_ids"]) if checked else None
+        compared.append({**record, "speedup": speedup, "identical": identical, "agreement": agreement})
     return compared
 
 
@@ -49,6 +54,7 @@ def summarize(records: list[dict]) -> dict:
         "compared": len(compared),
         "identical": sum(1 for r in compared if r["identical"]),
         "mismatched_prompts": [r["prompt_id"] for r in compared if not r["identical"]],
+        "agreement": fmean(r["agreement"] for r in compared) if compared else None,
         "alpha_per_token": None,  # filled in by aggregate() where a constant draft length is known
     }
 
@@ -101,18 +107,6 @@ def per_token_acceptance(records: list[dict], gamma: int) -> float | None:
             accepted += committed - 1
             rejections += committed - 1 < gamma
     return accepted / (accepted + rejections) if accepted + rejections else None
-
-
-def expected_tokens_per_forward(alpha: float, gamma: int) -> float:
-    """Leviathan et al. (2023), eq. 1: E = (1 − α^(γ+1)) / (1 − α) tokens per target forward."""
-    if alpha >= 1:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def predicted_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """Leviathan et al. (2023), theorem 3.8: S = E / (γc + 1), c = draft forward time / target forward time."""
-    return expected_tokens_per_forward(alpha, gamma) / (gamma * cost_ratio + 1)
 
 
 def theory_check(overall: dict, method: str, gamma: int, cost_ratio: float | None) -> list[dict]:

@@ -65,3 +65,30 @@ def tau_plot(records: list[dict], methods: list[str], path: Path) -> Path:
     plt.close(fig)
     return path
 
+
+
+def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
+    """Speedup against agreement with the baseline, one point per method; variants of one method
+    (name@option=value) are joined by a line, in order of agreement."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    families: dict[str, list[str]] = {}
+    for method in methods:
+        families.setdefault(method.partition("@")[0], []).append(method)
+    for family, members in families.items():
+        points = sorted((summaries[m]["agreement"], summaries[m]["speedup_total"], m) for m in members
+                        if m in summaries and summaries[m]["agreement"] is not None and summaries[m]["speedup_total"])
+        if not points:
+            continue
+        agreement, speedup, names = zip(*points)
+        ax.plot([100 * a for a in agreement], speedup, marker="o", label=family)
+        for a, v, name in points:
+            ax.annotate(name.partition("@")[2] or name, (100 * a, v), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(f"agreement with {BASELINE} (% of positions)")
+    ax.set_ylabel(f"speedup vs {BASELINE} (total time ratio)")
+    ax.set_title("Lossy methods: speed against agreement")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

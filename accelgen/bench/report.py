@@ -13,7 +13,7 @@ from accelgen.bench.methods import BASELINE, LOSSLESS
 from accelgen.bench.runner import AUDITS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
 
 RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
-SPEEDUP_PLOT, TAU_PLOT = "speedup.png", "tau.png"
+SPEEDUP_PLOT, TAU_PLOT, TRADEOFF_PLOT = "speedup.png", "tau.png", "tradeoff.png"
 
 
 def render(out_dir: Path) -> dict:
@@ -29,6 +29,8 @@ def render(out_dir: Path) -> dict:
     plots.speedup_plot(results["aggregates"], methods, out_dir / SPEEDUP_PLOT)
     drafting = [m for m in methods if results["methods"][m]["family"] != "baseline"]
     plots.tau_plot(results["records"], drafting, out_dir / TAU_PLOT)
+    if lossy_methods(results):
+        plots.tradeoff_plot(results["aggregates"][metrics.OVERALL], lossy_methods(results), out_dir / TRADEOFF_PLOT)
     (out_dir / REPORT_FILE).write_text(markdown(results))
     return results
 
@@ -54,6 +56,13 @@ def build_results(run_info: dict, records: list[dict], audits: list[dict]) -> di
         "warnings": lossless_warnings(aggregates, run_info["methods"], audits) if greedy else [],
         "records": compared,
     }
+
+
+def lossy_methods(results: dict) -> list[str]:
+    """Methods that trade agreement for speed, in a greedy run (where agreement is measured)."""
+    if results["config"]["temperature"] != 0:
+        return []
+    return [m for m in results["config"]["methods"] if results["methods"][m]["lossless"] not in LOSSLESS]
 
 
 def theory_gammas(run_info: dict) -> dict[str, int]:
@@ -94,7 +103,7 @@ def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> li
 # --- markdown -----------------------------------------------------------------------------------------------
 
 SUMMARY_COLUMNS = ("method", "lossless", "prompts", "new tokens", "time (s)", "tokens/s", "speedup (total)",
-                   "speedup (geomean)", "τ", "acceptance", "draft share", "identical")
+                   "speedup (geomean)", "τ", "acceptance", "draft share", "identical", "agreement")
 
 
 def markdown(results: dict) -> str:
@@ -118,6 +127,8 @@ def markdown(results: dict) -> str:
               f"{ms(cost['target_forward_seconds'])}" + (f", draft {ms(cost['draft_forward_seconds'])}, c = {cost['cost_ratio']:.3f}"
                                                          if cost["cost_ratio"] is not None else ""), ""]
     lines += ["## Plots", "", f"![speedup per category]({SPEEDUP_PLOT})", "", f"![tokens per target forward]({TAU_PLOT})", ""]
+    if lossy_methods(results):
+        lines += [f"![speedup against agreement with {BASELINE}, lossy methods]({TRADEOFF_PLOT})", ""]
     lines += legend(greedy)
     return "\n".join(lines)
 
@@ -166,7 +177,8 @@ def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
             identical = f"**{identical}** ⚠"
         rows.append([name, methods[name]["lossless"], s["prompts"], s["new_tokens"], num(s["seconds"], 2),
                      num(s["tokens_per_second"], 2), times(s["speedup_total"]), times(s["speedup_geomean"]),
-                     num(s["tau"], 2), num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical])
+                     num(s["tau"], 2), num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical,
+                     percent(s["agreement"])])
     return table(SUMMARY_COLUMNS, rows)
 
 
@@ -208,6 +220,8 @@ def legend(greedy: bool) -> list[str]:
     if greedy:
         lines.append(f"- identical: prompts whose tokens equal {BASELINE}'s exactly. Each divergence of a lossless "
                      "method is audited: a *near-tie* is a rounding difference between nearly equal logits, an *error* is not.")
+        lines.append(f"- agreement: share of positions holding {BASELINE}'s token (a missing token counts as a "
+                     "difference), averaged over prompts; what a lossy method gives up for its speed.")
     else:
         lines.append("- sampling run: outputs are not expected to match, so only speed and τ are reported.")
     return lines + [""]

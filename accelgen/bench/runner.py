@@ -16,8 +16,6 @@ import json
 import os
 import platform
 import random
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,7 +27,7 @@ from accelgen.bench import audit
 from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
-from accelgen.models.runner import ModelRunner
+from accelgen.profile import forward_seconds
 
 RUN_FILE, RECORDS_FILE, AUDITS_FILE = "run.json", "records.jsonl", "audits.jsonl"
 WARMUP_TOKENS = 8
@@ -213,25 +211,10 @@ def token_text(tokenizer, token: int | None) -> str | None:
 
 def measure_costs(model, draft_model, prompt_ids: list[int]) -> dict:
     """Median time of one single-token forward (with a KV cache of the prompt) per model, and their ratio c."""
-    target = forward_seconds(model, prompt_ids)
-    draft = forward_seconds(draft_model, prompt_ids) if draft_model is not None else None
+    target = forward_seconds(model, prompt_ids, repeats=COST_REPEATS)
+    draft = forward_seconds(draft_model, prompt_ids, repeats=COST_REPEATS) if draft_model is not None else None
     return {"target_forward_seconds": target, "draft_forward_seconds": draft,
             "cost_ratio": draft / target if draft is not None and target > 0 else None}
-
-
-def forward_seconds(model, prompt_ids: list[int], repeats: int = COST_REPEATS) -> float:
-    runner = ModelRunner(model)
-    if len(prompt_ids) > 1:
-        runner.forward(torch.tensor(prompt_ids[:-1]), logits_for_last=1)
-    prefix = runner.length
-    last = torch.tensor(prompt_ids[-1:])
-    times = []
-    for _ in range(repeats + 1):  # the first one warms up
-        started = time.perf_counter()
-        runner.forward(last, logits_for_last=1)
-        times.append(time.perf_counter() - started)
-        runner.keep(prefix, [])  # forget the token again
-    return statistics.median(times[1:])
 
 
 def describe_run(command: str | None, model, draft_model) -> dict:

@@ -3,4 +3,5 @@
 from accelgen.drafters import autoregressive, draft_model, jacobi, llma, lookahead_decoding, lookahead_trie, prompt_lookup, rest, specinfer, mcsd, block_verify  # noqa: F401
 from accelgen.drafters import cascade, staged  # noqa: F401
 from accelgen.drafters import universal  # noqa: F401
+from accelgen.drafters import self_speculative  # noqa: F401
 from accelgen.drafters import spectr, specdec, contrastive, bild  # noqa: F401

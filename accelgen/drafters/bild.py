@@ -57,8 +57,6 @@ def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, fal
 
 
 def _make_verifier(sampling, *, fallback_threshold, rollback_threshold, max_draft):
-    if not sampling.greedy:
-        raise ValueError("method 'bild' supports greedy decoding only (temperature 0)")
     _check(fallback_threshold, rollback_threshold, max_draft)
     return lambda draft, target_logits, generator: verify_bild(draft, target_logits, rollback_threshold)
 
@@ -75,5 +73,6 @@ register(
         needs=("draft_model",),
         options={"fallback_threshold": 0.5, "rollback_threshold": 2.0, "max_draft": 8},
         make_verifier=_make_verifier,
+        greedy_only=True,
     )
 )

@@ -20,8 +20,6 @@ def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, gam
 
 
 def _make_verifier(sampling, *, gamma, alpha, beta):
-    if not sampling.greedy:
-        raise ValueError("method 'contrastive' supports greedy decoding only (temperature 0)")
     check_contrastive_options(alpha, beta)
     return lambda draft, target_logits, generator: verify_contrastive(draft, target_logits, alpha, beta)
 
@@ -38,5 +36,6 @@ register(
         needs=("draft_model",),
         options={"gamma": 5, "alpha": 0.5, "beta": 0.1},
         make_verifier=_make_verifier,
+        greedy_only=True,
     )
 )

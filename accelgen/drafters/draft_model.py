@@ -3,9 +3,15 @@
 A smaller model with the same vocabulary drafts gamma tokens autoregressively; the target verifies them in
 one forward. The draft model keeps its own KV cache; before each proposal it is rolled back to the longest
 prefix it shares with the committed context, so rejected draft tokens are forgotten.
+
+gamma_schedule: "constant"; "heuristic" (HF's: grow by 2 on full acceptance, shrink by 1 otherwise); or
+"cost": the γ with the best predicted speedup (accelgen/theory.py) from running estimates of the acceptance
+α and the cost ratio c, both measured while generating, so γ fits this machine, these models and this text.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -13,8 +19,9 @@ from accelgen.draft import Draft, Verdict
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
+from accelgen.theory import best_gamma
 
-GAMMA_SCHEDULES = ("constant", "heuristic")
+GAMMA_SCHEDULES = ("constant", "heuristic", "cost")
 
 
 class DraftModelDrafter:
@@ -29,13 +36,14 @@ class DraftModelDrafter:
         confidence_threshold: float = 0.0,
         greedy_draft_probs: bool = False,
     ):
-        """greedy_draft_probs: at temperature 0, also attach the draft model's distribution (softmax at
+        """draft_model: a model, or a ModelRunner over one (`self-speculative`: the target with layers skipped).
+        greedy_draft_probs: at temperature 0, also attach the draft model's distribution (softmax at
         temperature 1) at each drafted position, for verification rules that use it (`contrastive`)."""
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if gamma_schedule not in GAMMA_SCHEDULES:
             raise ValueError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
-        self.runner = ModelRunner(draft_model)
+        self.runner = draft_model if isinstance(draft_model, ModelRunner) else ModelRunner(draft_model)
         self.sampling = sampling
         self.generator = generator
         self.gamma = gamma
@@ -44,12 +52,14 @@ class DraftModelDrafter:
         self.confidence_threshold = confidence_threshold
         self.greedy_draft_probs = greedy_draft_probs
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
+        self.costs = CostEstimate() if gamma_schedule == "cost" else None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         # the draft model may have a shorter context than the target: draft less, or not at all
         gamma = min(self.gamma, max_nodes, self.runner.max_positions - len(context))
         if gamma <= 0:
             return Draft.empty()
+        started = time.perf_counter()
         logits = self._catch_up(context.tolist())
         tokens, probs = [], []
         for step in range(gamma):
@@ -72,6 +82,8 @@ class DraftModelDrafter:
                 logits = self.runner.forward(torch.tensor([token]))[-1]
                 self.cached_tokens.append(token)
         draft_probs = torch.stack(probs) if probs else None
+        if self.costs is not None:
+            self.costs.drafted(forwards=len(tokens), seconds=time.perf_counter() - started)
         return Draft.chain(torch.tensor(tokens), draft_probs)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor:
@@ -85,6 +97,51 @@ class DraftModelDrafter:
                 self.gamma = min(self.gamma + 2, self.max_gamma)
             else:
                 self.gamma = max(self.gamma - 1, 1)
+        elif self.costs is not None:
+            self.costs.verified(drafted=len(draft), accepted=len(verdict.accepted))
+            self.gamma = self.costs.best_gamma(self.gamma, self.max_gamma)
+
+
+class CostEstimate:
+    """Running estimates of α (per draft token) and c (draft forward / target step) for gamma_schedule="cost".
+
+    The target step is timed from the end of a proposal to its verdict (the target forward and verification).
+    The first step is left out of the timings: there both models also read the prompt. Old observations fade
+    (DECAY per step), so γ follows the text: long on boilerplate, short where the draft model guesses badly.
+    """
+
+    DECAY = 0.9
+
+    def __init__(self):
+        self.accepted = 0.0  # faded count of accepted draft tokens
+        self.rejections = 0.0  # faded count of steps that rejected a draft token
+        self.draft_seconds: float | None = None  # per draft forward
+        self.target_seconds: float | None = None  # per target step
+        self.steps = 0
+        self._draft_done = 0.0
+
+    def drafted(self, forwards: int, seconds: float) -> None:
+        self._draft_done = time.perf_counter()
+        if self.steps > 0 and forwards > 0:
+            self.draft_seconds = _fade(self.draft_seconds, seconds / forwards)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if self.steps > 0:
+            self.target_seconds = _fade(self.target_seconds, time.perf_counter() - self._draft_done)
+        self.steps += 1
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.rejections = self.DECAY * self.rejections + (accepted < drafted)
+
+    def best_gamma(self, gamma: int, max_gamma: int) -> int:
+        """The γ with the best predicted speedup; `gamma` unchanged until both costs have been measured."""
+        if self.draft_seconds is None or self.target_seconds is None:
+            return gamma
+        alpha = (self.accepted + 1) / (self.accepted + self.rejections + 2)  # Laplace: never exactly 0 or 1
+        return best_gamma(alpha, self.draft_seconds / self.target_seconds, max_gamma)
+
+
+def _fade(average: float | None, value: float) -> float:
+    return value if average is None else CostEstimate.DECAY * average + (1 - CostEstimate.DECAY) * value
 
 
 def catch_up(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> torch.Tensor:

@@ -12,7 +12,9 @@ Duplicate siblings drawn with replacement stay separate nodes: merging them woul
 verifier relies on. For sampling, how many children a node gets is fixed before they are drawn, and drawn
 children are never pruned afterwards, so the siblings the verifier sees are exactly the draws it expects.
 
-Static plans give every node of level d `branching[d]` children. Dynamic plans (EAGLE-2's idea) expand only
+Static plans follow a fixed shape: `branching[d]` children for every node of level d, or a list of paths
+as Medusa's "choices" (path [0, 2] = the third child of the first child of the root; children are ranked by
+draft probability for greedy, in draw order for sampling). Dynamic plans (EAGLE-2's idea) expand only
 the `width` nodes of the level with the highest cumulative draft log-probability (`width` children each); for greedy the finished
 tree is reranked, keeping the `max_nodes` most probable nodes (a node is never more probable than its
 parent, so they form a tree).
@@ -37,29 +39,30 @@ from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 
 class DraftTreeDrafter:
     def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, *,
-                 branching: list[int] | None = None, width: int = 0, depth: int = 0, max_nodes: int = 0,
-                 replacement: bool = True):
-        """Static tree: branching (children per node at each depth). Dynamic tree: width, depth, max_nodes."""
-        if branching is not None:
-            branching = [int(width) for width in branching]
-            if not branching or min(branching) < 1:
-                raise ValueError(f"branching must be a non-empty list of positive widths, got {branching}")
+                 branching: list[int] | None = None, paths: list[list[int]] | None = None, width: int = 0,
+                 depth: int = 0, max_nodes: int = 0, replacement: bool = True):
+        """Static tree: branching (children per node at each depth) or paths. Dynamic: width, depth, max_nodes."""
+        if paths:
+            self.shape = shape_from_paths(paths)
+        elif branching is not None:
+            self.shape = shape_from_branching(branching)
         elif width < 1 or depth < 1 or max_nodes < 1:
             raise ValueError(f"a dynamic tree needs width, depth and max_nodes >= 1, got {width}, {depth}, {max_nodes}")
+        else:
+            self.shape = None
         self.runner = ModelRunner(draft_model)
         self.sampling = sampling
         self.generator = generator
-        self.branching = branching
         self.width, self.depth, self.max_nodes = width, depth, max_nodes
         self.replacement = replacement
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds: the committed context
 
     @property
     def dynamic(self) -> bool:
-        return self.branching is None
+        return self.shape is None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
-        depth = len(self.branching) if not self.dynamic else self.depth
+        depth = self.depth if self.dynamic else max(map(len, self.shape)) + 1
         depth = min(depth, self.runner.max_positions - len(context))  # the draft model's own context limit
         if self.dynamic:
             max_nodes = min(max_nodes, self.max_nodes)
@@ -71,9 +74,10 @@ class DraftTreeDrafter:
         parents: list[int] = []
         rows: list[torch.Tensor] = []  # (vocab,) the draft distribution each node was drawn from (at its parent)
         log_probs: list[float] = []  # cumulative draft log-probability of each node's path
+        paths: dict[int, tuple[int, ...]] = {ROOT: ()}  # node -> child ranks from the root down
         frontier = [ROOT]
         for level in range(depth):
-            plan = self._plan(level, frontier, log_probs)
+            plan = self._plan(frontier, log_probs, paths)
             if budget is not None:
                 plan = _within_budget(plan, budget - len(tokens))
             if not plan:
@@ -83,7 +87,8 @@ class DraftTreeDrafter:
             frontier = []
             for (node, count), node_logits in zip(plan, logits):
                 base = log_probs[node] if node != ROOT else 0.0
-                for token, row, log_prob in self._children(node_logits, count):
+                for rank, (token, row, log_prob) in enumerate(self._children(node_logits, count)):
+                    paths[len(tokens)] = paths[node] + (rank,)
                     tokens.append(token)
                     parents.append(node)
                     rows.append(row)
@@ -96,10 +101,10 @@ class DraftTreeDrafter:
     def update(self, draft, verdict, target_logits) -> None:
         pass  # the next proposal rolls the draft cache back to the committed context
 
-    def _plan(self, level: int, frontier: list[int], log_probs: list[float]) -> list[tuple[int, int]]:
-        """[(node, number of children)] for the nodes of the deepest level, in node order."""
+    def _plan(self, frontier: list[int], log_probs: list[float], paths: dict) -> list[tuple[int, int]]:
+        """[(node, number of children)] for the nodes of the deepest level that get children, in node order."""
         if not self.dynamic:
-            return [(node, self.branching[level]) for node in frontier]
+            return [(node, self.shape[paths[node]]) for node in frontier if paths[node] in self.shape]
         if frontier == [ROOT]:
             return [(ROOT, self.width)]
         best = sorted(frontier, key=lambda node: -log_probs[node])[: self.width]
@@ -144,6 +149,42 @@ class DraftTreeDrafter:
         logits = self.runner.forward(torch.tensor([tokens[node] for node in kept]), tree)  # (m, vocab)
         self.runner.keep(len(self.cached_tokens), [])  # forget the draft tree: back to the context
         return logits[[position[node] for node in nodes]]
+
+
+def shape_from_branching(branching: list[int]) -> dict[tuple[int, ...], int]:
+    """{path: number of children} of the tree where every node of depth d has branching[d] children."""
+    branching = [int(width) for width in branching]
+    if not branching or min(branching) < 1:
+        raise ValueError(f"branching must be a non-empty list of positive widths, got {branching}")
+    shape, level = {}, [()]
+    for width in branching:
+        shape.update({path: width for path in level})
+        level = [path + (rank,) for path in level for rank in range(width)]
+    return shape
+
+
+def shape_from_paths(paths: list[list[int]]) -> dict[tuple[int, ...], int]:
+    """{path: number of children} of the tree made of the given paths (Medusa's "choices").
+
+    Example: [[0], [1], [0, 0], [0, 1]] -> {(): 2, (0,): 2}. Every prefix of a path must be a path too, and a
+    node's children must be ranks 0..k-1 without gaps (sampled children have no rank to skip to).
+    """
+    try:
+        given = {tuple(int(rank) for rank in path) for path in paths}
+    except (TypeError, ValueError):
+        raise ValueError(f"paths must be a list of lists of child ranks, e.g. [[0], [1], [0, 0]], got {paths!r}") from None
+    children: dict[tuple[int, ...], set[int]] = {}
+    for path in sorted(given):
+        if not path or min(path) < 0:
+            raise ValueError(f"paths must be non-empty lists of ranks >= 0, got {list(path)}")
+        if len(path) > 1 and path[:-1] not in given:
+            raise ValueError(f"path {list(path)} needs its prefix {list(path[:-1])} among the paths")
+        children.setdefault(path[:-1], set()).add(path[-1])
+    for parent, ranks in children.items():
+        if ranks != set(range(len(ranks))):
+            raise ValueError(f"the children of {list(parent)} must be ranks 0..{len(ranks) - 1} without gaps, "
+                             f"got {sorted(ranks)}")
+    return {parent: len(ranks) for parent, ranks in children.items()}
 
 
 def _within_budget(plan: list[tuple[int, int]], room: int) -> list[tuple[int, int]]:

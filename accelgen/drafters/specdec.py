@@ -20,9 +20,6 @@ def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, gam
 
 
 def _make_verifier(sampling, *, gamma, beta, tau):
-    if not sampling.greedy:
-        raise ValueError("method 'specdec' supports greedy decoding only (temperature 0): Spec-Verification relaxes "
-                         "greedy matching")
     check_specdec_options(beta, tau)
     return lambda draft, target_logits, generator: verify_specdec(draft, target_logits, beta, tau)
 
@@ -39,5 +36,6 @@ register(
         needs=("draft_model",),
         options={"gamma": 5, "beta": 3, "tau": 1.0},
         make_verifier=_make_verifier,
+        greedy_only=True,
     )
 )

@@ -27,12 +27,15 @@ def test_speedup_total_and_geomean_and_identical():
     assert summary["speedup_total"] == pytest.approx(6 / 5)
     assert summary["speedup_geomean"] == pytest.approx(math.sqrt(2))
     assert summary["identical"] == 1 and summary["compared"] == 2 and summary["mismatched_prompts"] == ["p2"]
+    assert [r["agreement"] for r in fast] == [1.0, 0.5] and summary["agreement"] == 0.75
     assert summary["tokens_per_second"] == pytest.approx(4 / 5)
 
 
 def test_sampling_runs_are_not_compared_for_identity():
     records = [record("p1", "hf-greedy", 2.0), record("p1", "fast", 1.0, tokens=(9,))]
-    assert all(r["identical"] is None for r in metrics.compare_with_baseline(records, greedy=False))
+    compared = metrics.compare_with_baseline(records, greedy=False)
+    assert all(r["identical"] is None and r["agreement"] is None for r in compared)
+    assert metrics.summarize(compared)["agreement"] is None
 
 
 def test_aggregate_scopes_and_unknown_quantities():
@@ -51,13 +54,6 @@ def test_per_token_acceptance_leaves_out_each_last_step():
     # gamma 4: steps commit 5, 3, 1, 5 tokens (the final 2 is dropped): 10 accepted, 2 rejections
     assert metrics.per_token_acceptance([{"committed_per_step": [5, 3, 1, 5, 2]}], gamma=4) == pytest.approx(10 / 12)
     assert metrics.per_token_acceptance([{"committed_per_step": [3]}], gamma=4) is None
-
-
-def test_leviathan_formulas():
-    assert metrics.expected_tokens_per_forward(0.0, 5) == 1.0
-    assert metrics.expected_tokens_per_forward(1.0, 5) == 6.0
-    assert metrics.expected_tokens_per_forward(0.5, 2) == pytest.approx(1.75)
-    assert metrics.predicted_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
 
 
 def test_theory_check_rows():

@@ -179,6 +179,35 @@ def test_resolve_methods():
         methods.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
 
 
+def test_variants_sweep_a_lossy_method_in_one_run(tmp_path, prompts_file, tiny_target, tiny_draft, tokenizer):
+    sweep = ["specdec@beta=1", "specdec@beta=49152+tau=1000", "speculative@gamma=2"]
+    results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_draft, methods=sweep)
+    assert results["config"]["methods"] == ["hf-greedy", *sweep]
+    assert results["config"]["options"]["specdec@beta=49152+tau=1000"] == {"gamma": 5, "beta": 49152, "tau": 1000}
+    overall = results["aggregates"]["overall"]
+    assert overall["specdec@beta=1"]["identical"] == 2  # beta 1 is greedy verification
+    assert overall["specdec@beta=49152+tau=1000"]["agreement"] < 1  # accepts every draft token
+    assert overall["specdec@beta=49152+tau=1000"]["tau"] > overall["specdec@beta=1"]["tau"]
+    assert {row["gamma"] for row in results["theory"] if row["method"] == "speculative@gamma=2"} == {2}
+    assert (out_dir / "tradeoff.png").read_bytes()[:4] == PNG_MAGIC
+    assert "tradeoff.png" in (out_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name, message", [("specdec@beta", "name=value"), ("specdec@warp=1", "has no option 'warp'"),
+                                           ("warp@beta=1", "unknown method 'warp'")])
+def test_bad_variants_are_named(name, message):
+    with pytest.raises(ValueError, match=message):
+        methods.resolve_methods([name], {"draft_model"}, 0)
+
+
+def test_method_lists_keep_bracketed_option_values_whole():
+    from accelgen.bench.cli import split_list
+
+    assert split_list("a, specinfer@paths=[[0],[1],[0,0]]+dynamic=false,b") == [
+        "a", "specinfer@paths=[[0],[1],[0,0]]+dynamic=false", "b"]
+    assert split_list("") is None
+
+
 def test_llma_copies_from_the_prompt_when_no_references_are_given(smollm):
     model, tokenizer = smollm
     chosen, _ = methods.resolve_methods(["llma"], runner.PROMPT_RESOURCES, 0)

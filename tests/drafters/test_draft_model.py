@@ -2,7 +2,7 @@ import torch
 
 import accelgen
 from accelgen.draft import Draft, Verdict
-from accelgen.drafters.draft_model import DraftModelDrafter
+from accelgen.drafters.draft_model import CostEstimate, DraftModelDrafter
 from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig
 
@@ -22,6 +22,27 @@ def test_heuristic_schedule_grows_on_full_acceptance_and_shrinks_otherwise(tiny_
     for _ in range(10):
         drafter.update(draft, Verdict([], 9), None)
     assert drafter.gamma == 1  # never below one token
+
+
+def test_cost_schedule_picks_the_gamma_the_theory_predicts_best():
+    costs = CostEstimate()
+    assert costs.best_gamma(5, 16) == 5  # nothing measured yet: keep the starting gamma
+    costs.draft_seconds, costs.target_seconds = 0.01, 0.2  # c = 0.05
+    costs.accepted, costs.rejections = 38, 9  # α = 39 / 49 ≈ 0.8 (Laplace)
+    assert costs.best_gamma(5, 16) == 8  # see tests/test_theory.py
+    costs.accepted, costs.rejections = 0, 20
+    assert costs.best_gamma(5, 16) == 1
+
+
+def test_cost_schedule_measures_as_it_goes(tiny_target, tiny_draft):
+    drafter = DraftModelDrafter(tiny_draft, GREEDY, None, gamma=4, gamma_schedule="cost", max_gamma=6)
+    context = torch.tensor(PROMPT)
+    for step in range(3):
+        draft = drafter.propose(context, max_nodes=8)
+        drafter.update(draft, Verdict([], 7), None)  # every draft rejected
+        context = torch.cat([context, torch.tensor([7])])
+    assert drafter.costs.draft_seconds > 0 and drafter.costs.target_seconds > 0
+    assert drafter.costs.rejections > 2 and drafter.gamma == 1
 
 
 def test_draft_cache_forgets_rejected_tokens(tiny_target, tiny_draft):

@@ -5,7 +5,7 @@ import torch
 
 import accelgen
 from accelgen.draft import ROOT
-from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.drafters.draft_tree import DraftTreeDrafter, shape_from_branching, shape_from_paths
 from accelgen.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,6 +22,37 @@ def test_static_tree_shape_and_draft_rows(tiny_target):
     assert torch.equal(draft.draft_probs[0], draft.draft_probs[1])  # siblings share the distribution they came from
     assert drafter.runner.length == len(PROMPT)  # the draft tree never stays in the draft cache
     assert len(drafter.propose(torch.tensor(PROMPT), max_nodes=3)) == 3  # the node budget cuts the tree
+
+
+def test_tree_from_paths_ranks_children_by_draft_probability(tiny_target):
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    drafter = DraftTreeDrafter(tiny_target, SamplingConfig(), None, paths=paths)
+    draft = drafter.propose(torch.tensor(PROMPT), max_nodes=32)
+    assert draft.parents.tolist() == [ROOT, ROOT, ROOT, 0, 0, 1, 3]
+    first_logits = tiny_target(torch.tensor([PROMPT])).logits[0, -1]
+    assert draft.tokens[:3].tolist() == torch.topk(first_logits, 3).indices.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paths_and_branching_give_the_same_tree(tiny_target, temperature):
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]]
+    assert shape_from_paths(paths) == shape_from_branching([2, 2, 1])
+    drafts = [DraftTreeDrafter(tiny_target, SamplingConfig(temperature), torch.Generator().manual_seed(4), **shape)
+              .propose(torch.tensor(PROMPT), max_nodes=32) for shape in ({"paths": paths}, {"branching": [2, 2, 1]})]
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].parents, drafts[1].parents)
+
+
+def test_paths_tree_is_lossless(tiny_target, tokenizer, assert_lossless):
+    paths = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 30, draft_model=tiny_target, paths=paths)
+    assert result.stats["accepted_per_step"][:3] == [4] * 3  # the top-1 path [0, 0, 0, 0] is always accepted
+
+
+@pytest.mark.parametrize("paths, problem", [([[0, 0]], "prefix"), ([[0], [2]], "without gaps"),
+                                            ([[0], []], "non-empty"), ([["a"]], "lists of child ranks")])
+def test_bad_paths_are_named(paths, problem):
+    with pytest.raises(ValueError, match=problem):
+        shape_from_paths(paths)
 
 
 def test_dynamic_tree_keeps_the_most_probable_nodes(tiny_target):

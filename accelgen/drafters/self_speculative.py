@@ -1,0 +1,70 @@
+"""Self-speculative decoding, Draft & Verify (Zhang et al. 2024, arXiv:2309.08168).
+
+The target drafts for itself with some attention and MLP sub-layers skipped (models/layer_skip.py), then
+verifies with all of them: no second model, no training. Drafting is draft-model speculation with the
+layer-skipping runner as the draft model (draft_model.py), so γ schedules and sampling come with it.
+
+Which layers to skip decides the speed: `accelgen tune self-speculative --model M` searches the skip sets
+with Bayesian optimisation (tune.py) and saves the best next to the cached model; `skip="tuned"` (the
+default) uses that file, or, before any tuning, skips the attention and MLP of every other layer of the
+second half, a common starting point (a skip set changes speed only, never the output).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from accelgen.drafters.draft_model import DraftModelDrafter
+from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.registry import MethodSpec, register
+
+SKIP_FILE = "self-speculative.json"
+
+
+def default_skip(layer_count: int) -> dict[str, list[int]]:
+    """Every other layer of the second half: e.g. 30 layers -> 15, 17, ..., 29."""
+    layers = list(range(layer_count // 2, layer_count, 2))
+    return {"skip_attention": layers, "skip_mlp": layers}
+
+
+def tuned_skip_path(model) -> Path | None:
+    """Where `accelgen tune` keeps a model's skip set: beside its weights (None for a model not loaded from disk)."""
+    folder = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
+    return Path(folder) / SKIP_FILE if folder and Path(folder).is_dir() else None
+
+
+def resolve_skip(model, skip) -> dict[str, list[int]]:
+    """skip: "tuned" (saved by `accelgen tune`, else the default), "default", or {"skip_attention", "skip_mlp"}."""
+    if isinstance(skip, dict):
+        unknown = sorted(set(skip) - {"skip_attention", "skip_mlp"})
+        if unknown:
+            raise ValueError(f"self-speculative: skip takes skip_attention and skip_mlp, not {', '.join(unknown)}")
+        return {"skip_attention": list(skip.get("skip_attention", [])), "skip_mlp": list(skip.get("skip_mlp", []))}
+    if skip == "tuned":
+        path = tuned_skip_path(model)
+        if path is not None and path.exists():
+            return resolve_skip(model, json.loads(path.read_text())["skip"])
+        skip = "default"
+    if skip == "default":
+        return default_skip(model.config.num_hidden_layers)
+    raise ValueError(f"self-speculative: skip must be 'tuned', 'default' or a dict of layer lists, got {skip!r}")
+
+
+def _make(target_model, *, sampling, generator, draft_model=None, tokenizer=None, skip, gamma, gamma_schedule, max_gamma):
+    runner = LayerSkipRunner(target_model, **resolve_skip(target_model, skip))
+    return DraftModelDrafter(runner, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
+
+
+register(
+    MethodSpec(
+        name="self-speculative",
+        family="speculative",
+        lossless="distribution-exact",
+        paper="Zhang et al. 2024, arXiv:2309.08168",
+        summary="the target drafts for itself with attention and MLP sub-layers skipped (skip set tuned by Bayesian "
+                "optimisation: `accelgen tune`), then verifies with all layers",
+        make_drafter=_make,
+        options={"skip": "tuned", "gamma": 4, "gamma_schedule": "constant", "max_gamma": 32},
+    )
+)

@@ -1,0 +1,76 @@
+"""The target model with some of its attention and MLP sub-layers skipped: a cheap draft model for free.
+
+Draft & Verify (Zhang et al. 2024, arXiv:2309.08168) drafts with the target itself, skipping a chosen set of
+attention and MLP sub-layers, and verifies with all of them. This runner calls the HF model's own modules
+in order (embeddings, each decoder layer's two residual sub-blocks, final norm, LM head), leaving out the
+skipped sub-blocks; no model code is copied. It has its own KV cache: a layer whose attention is skipped
+never writes to it, and its cache layer stays empty.
+
+Supported: decoder layers of the Llama family shape (`input_layernorm`, `self_attn`, `post_attention_layernorm`,
+`mlp`), as in Llama, Qwen2, Mistral and SmolLM2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen.models.runner import ModelRunner
+
+SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+class LayerSkipRunner(ModelRunner):
+    def __init__(self, model, skip_attention: list[int], skip_mlp: list[int]):
+        super().__init__(model)
+        decoder = getattr(model, "model", None)
+        layers = getattr(decoder, "layers", None)
+        if layers is None or not all(hasattr(decoder, name) for name in ("embed_tokens", "norm", "rotary_emb")) \
+                or not all(hasattr(layer, name) for layer in layers for name in SUB_BLOCKS):
+            raise ValueError(f"layer skipping needs a Llama-style decoder (model.model.layers with {', '.join(SUB_BLOCKS)}); "
+                             f"{type(model).__name__} is not one")
+        self.decoder = decoder
+        self.skip_attention = check_layers("skip_attention", skip_attention, len(layers))
+        self.skip_mlp = check_layers("skip_mlp", skip_mlp, len(layers))
+        if len(self.skip_attention) == len(layers):
+            raise ValueError("skip_attention skips every attention layer: the draft would not see the context")
+
+    @property
+    def length(self) -> int:
+        """Positions held in the cache, read from a layer whose attention runs (layer 0's may be skipped)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                return layer.keys.shape[-2]
+        return 0
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
+        """As ModelRunner.forward, through the sub-layers that are not skipped."""
+        start, m = self.length, token_ids.shape[0]
+        if tree is None:
+            tree = torch.ones(m, m, dtype=torch.bool).tril()
+        positions = (start + tree.sum(dim=-1) - 1)[None].to(self.device)
+        mask = self._tree_mask(start, tree)
+        hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])
+        position_embeddings = self.decoder.rotary_emb(hidden, positions)
+        for index, layer in enumerate(self.decoder.layers):
+            if index not in self.skip_attention:
+                attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=mask,
+                                              position_ids=positions, past_key_values=self.cache,
+                                              position_embeddings=position_embeddings)
+                hidden = hidden + attended
+            if index not in self.skip_mlp:
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if logits_for_last:
+            hidden = hidden[:, -logits_for_last:]
+        return self.model.lm_head(self.decoder.norm(hidden))[0].float()
+
+
+def check_layers(name: str, layers, count: int) -> frozenset[int]:
+    try:
+        chosen = frozenset(int(index) for index in layers)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of layer indices, got {layers!r}") from None
+    outside = sorted(index for index in chosen if not 0 <= index < count)
+    if outside:
+        raise ValueError(f"{name}: the model has layers 0..{count - 1}, not {outside}")
+    return chosen

@@ -1,0 +1,79 @@
+"""`accelgen tune self-speculative`: choose the layers the target skips when drafting for itself.
+
+Draft & Verify (Zhang et al. 2024) picks the skip set by Bayesian optimisation: each trial generates from a
+few calibration prompts with one skip set (attention and MLP of every layer chosen separately) and
+scores it by measured seconds per token; optuna's TPE sampler proposes the next set from the scores so far.
+The first trial is the default skip set, so tuning never ends worse than where it started. The result is
+saved beside the model's weights and `self-speculative` uses it from then on (skip="tuned").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+from accelgen.drafters.self_speculative import default_skip, tuned_skip_path
+from accelgen.generate import generate
+
+
+def seconds_per_token(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **method) -> tuple[float, float]:
+    """(seconds per new token, tokens per target forward) over the calibration prompts."""
+    seconds = tokens = forwards = 0
+    for prompt_ids in prompts:
+        started = time.perf_counter()
+        result = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, **method)
+        seconds += time.perf_counter() - started
+        tokens += len(result.token_ids)
+        forwards += result.stats["target_forwards"]
+    return seconds / max(tokens, 1), tokens / max(forwards, 1)
+
+
+def tune_self_speculative(model, tokenizer, prompts: list[list[int]], *, trials: int = 40, max_new_tokens: int = 32,
+                          gamma: int = 4, seed: int = 0, progress: Callable[[int, dict], None] | None = None) -> dict:
+    """Search skip sets; returns the best with its measured seconds per token, τ, and autoregressive's."""
+    try:
+        import optuna
+    except ImportError:
+        raise RuntimeError("tuning needs optuna: pip install 'accelgen[tune]' (or pip install optuna)") from None
+    if trials < 1 or not prompts:
+        raise ValueError("tuning needs at least one trial and one calibration prompt")
+    layers = model.config.num_hidden_layers
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    generate(model, tokenizer, prompts[0], max_new_tokens=2)  # warm-up
+    plain, _ = seconds_per_token(model, tokenizer, prompts, max_new_tokens, method="autoregressive")
+
+    def skip_of(params: dict) -> dict[str, list[int]]:
+        return {"skip_attention": [i for i in range(layers) if params[f"attention_{i}"]],
+                "skip_mlp": [i for i in range(layers) if params[f"mlp_{i}"]]}
+
+    def objective(trial) -> float:
+        params = {f"{part}_{i}": trial.suggest_categorical(f"{part}_{i}", [False, True])
+                  for i in range(layers) for part in ("attention", "mlp")}
+        skip = skip_of(params)
+        if len(skip["skip_attention"]) == layers:
+            raise optuna.TrialPruned()  # a draft that sees no context
+        cost, tau = seconds_per_token(model, tokenizer, prompts, max_new_tokens, method="self-speculative",
+                                      skip=skip, gamma=gamma)
+        trial.set_user_attr("tau", tau)
+        if progress:
+            progress(trial.number, {"seconds_per_token": cost, "tau": tau, "speedup": plain / cost})
+        return cost
+
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed))
+    start = default_skip(layers)
+    study.enqueue_trial({f"{part}_{i}": i in start[f"skip_{part}"] for i in range(layers) for part in ("attention", "mlp")})
+    study.optimize(objective, n_trials=trials)
+    best = study.best_trial
+    return {"skip": skip_of(best.params), "seconds_per_token": best.value, "tau": best.user_attrs["tau"],
+            "autoregressive_seconds_per_token": plain, "speedup": plain / best.value, "gamma": gamma,
+            "trials": trials, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+
+
+def save_tuned_skip(model, result: dict):
+    """Write the result beside the model's weights; returns the path."""
+    path = tuned_skip_path(model)
+    if path is None:
+        raise ValueError("this model was not loaded from a folder, so there is nowhere beside it to save the skip set")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path

@@ -1,0 +1,41 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from accelgen.cli import app
+from accelgen.profile import profile, speedup_table, verify_ratio
+from accelgen.theory import best_gamma
+
+
+def test_verify_ratio_interpolates_between_measured_sizes():
+    measured = {1: 1.0, 4: 1.3, 8: 2.1}
+    assert verify_ratio(measured, 4) == 1.3
+    assert verify_ratio(measured, 2) == pytest.approx(1.1)
+    assert verify_ratio(measured, 6) == pytest.approx(1.7)
+    assert verify_ratio(measured, 12) == pytest.approx(2.9)  # the last slope continued
+
+
+def test_flat_verification_gives_leviathans_gamma_and_costly_verification_a_short_one():
+    flat = {"cost_ratio": 0.05, "verify_ratio": {1: 1.0, 32: 1.0}}
+    assert speedup_table(flat, [0.8])[0]["best_gamma"] == best_gamma(0.8, 0.05, 16)
+    linear = {"cost_ratio": 0.05, "verify_ratio": {1: 1.0, 2: 2.0}}  # k tokens cost k forwards: no free lunch
+    row = speedup_table(linear, [0.8])[0]
+    assert row["best_gamma"] == 1 and row["predicted_speedup"] < 1
+
+
+def test_profile_times_every_block_size(tiny_target, tiny_draft):
+    result = profile(tiny_target, tiny_draft, context_tokens=8, sizes=(2, 4), repeats=1)
+    assert sorted(result["target_seconds"]) == [1, 2, 4] and min(result["target_seconds"].values()) > 0
+    assert result["verify_ratio"][1] == 1.0 and result["cost_ratio"] > 0
+
+
+def test_profile_command(smollm):
+    output = CliRunner().invoke(app, ["profile", "--model", "smollm2-135m", "--dtype", "float32", "--draft", "smollm2-135m",
+                                      "--sizes", "1,2", "--repeats", "1", "--context-tokens", "16", "--alphas", "0.8",
+                                      "--json"])
+    assert output.exit_code == 0, output.output
+    result = json.loads(output.stdout)
+    assert set(result["target_seconds"]) == {"1", "2"} and result["predictions"][0]["alpha"] == 0.8
+    bad = CliRunner().invoke(app, ["profile", "--sizes", "0,x"])
+    assert bad.exit_code != 0 and "--sizes" in bad.output
