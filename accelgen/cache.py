@@ -23,7 +23,11 @@ def new_cache(config) -> DynamicCache:
 
 
 def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
+    """Positions held, read from the first layer that holds any (a layer skipped while drafting holds none)."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            return layer.keys.shape[-2]
+    return 0
 
 
 def crop(cache: DynamicCache, length: int) -> None:

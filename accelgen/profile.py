@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from accelgen.models.runner import ModelRunner
-from accelgen.theory import predicted_speedup
+from accelgen.theory import best_gamma, predicted_speedup
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -69,11 +69,10 @@ def verify_ratio(measured: dict[int, float], k: int) -> float:
 
 def speedup_table(result: dict, alphas, max_gamma: int = 16) -> list[dict]:
     """Per α: the γ with the best predicted speedup E / (γc + r(γ+1)), and that speedup."""
+    cost, ratio = result["cost_ratio"], lambda tokens: verify_ratio(result["verify_ratio"], tokens)
     rows = []
     for alpha in alphas:
-        gammas = range(1, max_gamma + 1)
-        predicted = {gamma: predicted_speedup(alpha, gamma, result["cost_ratio"],
-                                              verify_ratio(result["verify_ratio"], gamma + 1)) for gamma in gammas}
-        best = max(gammas, key=lambda gamma: (predicted[gamma], -gamma))
-        rows.append({"alpha": alpha, "best_gamma": best, "predicted_speedup": predicted[best]})
+        best = best_gamma(alpha, cost, max_gamma, ratio)
+        speedup = predicted_speedup(alpha, best, cost, ratio(best + 1))
+        rows.append({"alpha": alpha, "best_gamma": best, "predicted_speedup": speedup})
     return rows

@@ -7,6 +7,8 @@ r: the time of the target's verification forward over γ + 1 tokens over a one-t
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 def expected_tokens_per_forward(alpha: float, gamma: int) -> float:
     """Leviathan et al. (2023), eq. 1: E = (1 − α^(γ+1)) / (1 − α) tokens per target forward."""
@@ -24,6 +26,10 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_ratio:
     return expected_tokens_per_forward(alpha, gamma) / (gamma * cost_ratio + verify_ratio)
 
 
-def best_gamma(alpha: float, cost_ratio: float, max_gamma: int) -> int:
-    """The γ in 1..max_gamma with the highest predicted speedup (the smallest such γ on ties)."""
-    return max(range(1, max_gamma + 1), key=lambda gamma: (predicted_speedup(alpha, gamma, cost_ratio), -gamma))
+def best_gamma(alpha: float, cost_ratio: float, max_gamma: int,
+               verify_ratio: Callable[[int], float] = lambda tokens: 1.0) -> int:
+    """The γ in 1..max_gamma with the highest predicted speedup (the smallest such γ on ties).
+
+    verify_ratio(k): r for a verification forward over k tokens (default: 1, Leviathan et al.'s assumption)."""
+    return max(range(1, max_gamma + 1),
+               key=lambda gamma: (predicted_speedup(alpha, gamma, cost_ratio, verify_ratio(gamma + 1)), -gamma))

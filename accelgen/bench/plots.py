@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from accelgen.bench.methods import BASELINE  # noqa: E402
+from accelgen.bench.methods import BASELINE, VARIANT  # noqa: E402
 from accelgen.bench.metrics import OVERALL  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     families: dict[str, list[str]] = {}
     for method in methods:
-        families.setdefault(method.partition("@")[0], []).append(method)
+        families.setdefault(method.partition(VARIANT)[0], []).append(method)
     for family, members in families.items():
         points = sorted((summaries[m]["agreement"], summaries[m]["speedup_total"], m) for m in members
                         if m in summaries and summaries[m]["agreement"] is not None and summaries[m]["speedup_total"])
@@ -82,7 +82,7 @@ def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
         agreement, speedup, names = zip(*points)
         ax.plot([100 * a for a in agreement], speedup, marker="o", label=family)
         for a, v, name in points:
-            ax.annotate(name.partition("@")[2] or name, (100 * a, v), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(name.partition(VARIANT)[2] or name, (100 * a, v), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xlabel(f"agreement with {BASELINE} (% of positions)")
     ax.set_ylabel(f"speedup vs {BASELINE} (total time ratio)")

@@ -34,14 +34,6 @@ class LayerSkipRunner(ModelRunner):
         if len(self.skip_attention) == len(layers):
             raise ValueError("skip_attention skips every attention layer: the draft would not see the context")
 
-    @property
-    def length(self) -> int:
-        """Positions held in the cache, read from a layer whose attention runs (layer 0's may be skipped)."""
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                return layer.keys.shape[-2]
-        return 0
-
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
         """As ModelRunner.forward, through the sub-layers that are not skipped."""
