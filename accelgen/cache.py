@@ -1,5 +1,7 @@
 """Roll back a HF KV cache after verification: crop for chains, gather-compact for trees.
 
+Also stacks per-sequence caches into one padded batch and splits it again (see models/batch.py).
+
 Works on the tensors of each layer of a `DynamicCache` (keys/values of shape (batch, kv_heads, seq, head_dim)).
 Caches whose layers cannot be rolled back this way (sliding windows, linear-attention states) are refused early.
 """
@@ -48,3 +50,38 @@ def compact(cache: DynamicCache, keep: torch.Tensor) -> None:
         if layer.is_initialized:
             layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
             layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
+
+
+def stack_left_padded(caches: list[DynamicCache], lengths: list[int], config) -> DynamicCache:
+    """One cache of batch len(caches) holding each (batch-1) cache left-padded with zeros to the longest."""
+    batched = new_cache(config)
+    longest = max(lengths)
+    if longest == 0:
+        return batched
+    for index, layer in enumerate(batched.layers):
+        rows = [cache.layers[index] for cache in caches]
+        reference = next(row for row in rows if row.is_initialized)
+        keys = [_left_padded(row.keys if row.is_initialized else reference.keys[..., :0, :], longest) for row in rows]
+        values = [_left_padded(row.values if row.is_initialized else reference.values[..., :0, :], longest) for row in rows]
+        _fill(layer, torch.cat(keys), torch.cat(values))
+    return batched
+
+
+def row_of(batched: DynamicCache, row: int, spans: list[tuple[int, int]], config) -> DynamicCache:
+    """The (batch-1) cache of one row of a batched cache, keeping the positions in `spans` ([start, end) pairs)."""
+    cache = new_cache(config)
+    for layer, source in zip(cache.layers, batched.layers):
+        _fill(layer, torch.cat([source.keys[row : row + 1, :, start:end] for start, end in spans], dim=-2),
+              torch.cat([source.values[row : row + 1, :, start:end] for start, end in spans], dim=-2))
+    return cache
+
+
+def _left_padded(states: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, heads, n, dim) -> (1, heads, length, dim) with zeros in front."""
+    padding = states.new_zeros(*states.shape[:-2], length - states.shape[-2], states.shape[-1])
+    return torch.cat([padding, states], dim=-2)
+
+
+def _fill(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values

@@ -97,6 +97,9 @@ def generate(
     if not stream:
         print(result.text)
     s = result.stats
+    if "choice" in s:
+        choice = s["choice"]
+        console.print(f"[dim]{method} → {choice['method']} {format_options(choice['options'])}: {choice['reason']}[/dim]")
     console.print(
         f"[dim]{method}: {s['new_tokens']} tokens in {s['seconds']:.2f}s ({s['tokens_per_second']:.2f} tok/s), "
         f"{s['target_forwards']} target forwards, {s['mean_accepted_tokens']:.2f} tokens/forward, "
@@ -180,6 +183,11 @@ from accelgen.datastore_cli import register as _register_datastore  # noqa: E402
 _register_datastore(app)
 
 
+from accelgen.server.cli import register as _register_server  # noqa: E402
+
+_register_server(app)
+
+
 @app.command()
 def profile(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id, local folder or .gguf file."),
@@ -190,30 +198,36 @@ def profile(
     sizes: str = typer.Option("1,2,4,8,16,32", help="Block sizes k to time, comma-separated."),
     alphas: str = typer.Option("0.5,0.6,0.7,0.8,0.9", help="Acceptance rates to predict speedups for."),
     repeats: int = typer.Option(5, help="Timed forwards per size (median)."),
+    batch_sizes: str = typer.Option("", "--batch-sizes", help="Also time batched forwards for these batch sizes "
+                                                             "(the server's verification), e.g. 1,2,4,8."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure forward costs: verification cost r(k), the draft's cost ratio c, and the predicted best γ."""
     import torch
 
-    from accelgen.profile import profile as measure, speedup_table
+    from accelgen.profile import batch_table, profile as measure, speedup_table
 
     if threads:
         torch.set_num_threads(threads)
     try:
         block_sizes = [int(size) for size in sizes.split(",")]
         acceptance = [float(alpha) for alpha in alphas.split(",")]
+        batches = [int(size) for size in batch_sizes.split(",") if size.strip()]
     except ValueError:
-        raise typer.BadParameter("--sizes takes integers and --alphas numbers, comma-separated") from None
-    if min(block_sizes) < 1 or context_tokens < 1 or not all(0 <= alpha <= 1 for alpha in acceptance):
+        raise typer.BadParameter("--sizes and --batch-sizes take integers, --alphas numbers, comma-separated") from None
+    if min(block_sizes + batches) < 1 or context_tokens < 1 or not all(0 <= alpha <= 1 for alpha in acceptance):
         raise typer.BadParameter("sizes and --context-tokens must be >= 1, acceptance rates within [0, 1]")
     target_model, _ = load_with_progress(model, dtype)
     draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
     with console.status("profiling …") as status:
         result = measure(target_model, draft_model, context_tokens=context_tokens, sizes=block_sizes,
-                         repeats=repeats, progress=lambda message: status.update(f"profiling: {message} …"))
+                         repeats=repeats, batch_sizes=batches,
+                         progress=lambda message: status.update(f"profiling: {message} …"))
     if draft_model is not None:
         result["predictions"] = speedup_table(result, acceptance)
+    if batches:
+        result["batch_predictions"] = {alpha: batch_table(result, alpha) for alpha in acceptance}
     if as_json:
         print(json.dumps(result, indent=1))
         return
@@ -229,33 +243,60 @@ def profile(
         for row in result["predictions"]:
             table.add_row(f"{row['alpha']:.2f}", str(row["best_gamma"]), f"{row['predicted_speedup']:.2f}×")
         out.print(table)
+    if batches:
+        table = Table("batch b", *[f"k={k}: t (ms), r" for k in result["batch_seconds"][batches[0]]])
+        for batch, seconds in result["batch_seconds"].items():
+            table.add_row(str(batch), *[f"{t * 1000:.1f}, {t / seconds[1]:.2f}" for t in seconds.values()])
+        out.print("batched verification: b sequences, k tokens each")
+        out.print(table)
+        table = Table("α (model-free drafter)", *[f"b={b}: γ, gain, budget" for b in result["batch_seconds"]])
+        for alpha, rows in result["batch_predictions"].items():
+            table.add_row(f"{alpha:.2f}", *[f"{r['best_gamma']}, {r['predicted_gain']:.2f}×, {r['token_budget']}" for r in rows])
+        out.print(table)
+        out.print("serve with --token-budget near the budgets above (drafts are capped at budget // b − 1)")
 
 
 @app.command()
 def tune(
-    method: str = typer.Argument(..., help="The method to tune: self-speculative."),
+    method: str = typer.Argument(..., help="What to tune: self-speculative (its skipped layers) or auto (its choice)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name or local folder (the result is saved beside it)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="auto: the draft model it may use."),
     dtype: Optional[str] = typer.Option(None),
-    dataset: str = typer.Option("humaneval", help="Calibration prompts, taken from the end of this dataset."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    dataset: str = typer.Option("humaneval", help="Calibration prompts (taken from the end of this dataset); "
+                                                  "auto saves its choice under this workload name."),
     prompts: int = typer.Option(3, help="Number of calibration prompts."),
-    trials: int = typer.Option(40, help="Skip sets to try (the first is the default one)."),
+    trials: int = typer.Option(40, help="self-speculative: skip sets to try (the first is the default one)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
-    gamma: int = typer.Option(4),
+    gamma: int = typer.Option(4, help="self-speculative: draft length while tuning."),
     seed: int = typer.Option(0),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
 ):
-    """Tune a method for a model on this machine: for self-speculative, the layers skipped when drafting."""
+    """Tune for a model on this machine: the layers self-speculative skips, or the method auto picks."""
     import torch
 
     from accelgen.bench.datasets import load_dataset, prompt_token_ids
-    from accelgen.tune import save_tuned_skip, tune_self_speculative
 
-    if method != "self-speculative":
-        raise typer.BadParameter(f"only self-speculative can be tuned, not {method!r}")
+    if method not in ("self-speculative", "auto"):
+        raise typer.BadParameter(f"only self-speculative and auto can be tuned, not {method!r}")
     if threads:
         torch.set_num_threads(threads)
     target_model, tokenizer = load_with_progress(model, dtype)
+    draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in load_dataset(dataset)[-prompts:]]
+    try:
+        if method == "auto":
+            tune_auto_command(target_model, tokenizer, draft_model, calibration, dataset, max_new_tokens)
+        else:
+            tune_self_speculative_command(target_model, tokenizer, calibration, trials, max_new_tokens, gamma, seed)
+    except (ValueError, RuntimeError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2)
+
+
+def tune_self_speculative_command(target_model, tokenizer, calibration, trials, max_new_tokens, gamma, seed):
+    from accelgen.tune import save_tuned_skip, tune_self_speculative
+
     best = {"speedup": 0.0}
 
     def show(trial: int, scores: dict) -> None:
@@ -263,17 +304,33 @@ def tune(
         console.print(f"trial {trial + 1}/{trials}: {scores['speedup']:.2f}× autoregressive, τ {scores['tau']:.2f} "
                       f"(best {best['speedup']:.2f}×)")
 
-    try:
-        result = tune_self_speculative(target_model, tokenizer, calibration, trials=trials, max_new_tokens=max_new_tokens,
-                                       gamma=gamma, seed=seed, progress=show)
-        path = save_tuned_skip(target_model, result)
-    except (ValueError, RuntimeError) as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2)
+    result = tune_self_speculative(target_model, tokenizer, calibration, trials=trials, max_new_tokens=max_new_tokens,
+                                   gamma=gamma, seed=seed, progress=show)
+    path = save_tuned_skip(target_model, result)
     skip = result["skip"]
     console.print(f"best: skip attention {skip['skip_attention']}, MLP {skip['skip_mlp']}: "
                   f"{result['speedup']:.2f}× autoregressive on the calibration prompts, τ {result['tau']:.2f}")
     console.print(f"saved to {path}; `--method self-speculative` uses it from now on")
+
+
+def tune_auto_command(target_model, tokenizer, draft_model, calibration, workload, max_new_tokens):
+    from accelgen.drafters.auto import save_choice
+    from accelgen.tune import tune_auto
+
+    def show(done: int, total: int, row: dict) -> None:
+        console.print(f"[{done + 1}/{total}] {row['method']} {format_options(row['options'])}: "
+                      f"{row['seconds_per_token'] * 1000:.1f} ms/token, τ {row['tau']:.2f}")
+
+    result = tune_auto(target_model, tokenizer, calibration, draft_model=draft_model, max_new_tokens=max_new_tokens,
+                       progress=show)
+    table = Table("method", "options", "ms per token", "τ", "speedup")
+    for row in sorted(result["table"], key=lambda row: -row["speedup"]):
+        table.add_row(row["method"], format_options(row["options"]), f"{row['seconds_per_token'] * 1000:.1f}",
+                      f"{row['tau']:.2f}", f"{row['speedup']:.2f}×")
+    table_console().print(table)
+    path = save_choice(target_model, draft_model, workload, result)
+    console.print(f"auto → {result['method']} {format_options(result['options'])}: {result['reason']}")
+    console.print(f"saved to {path} (workload {workload!r}); `--method auto` uses it from now on")
 
 
 def main():

@@ -4,6 +4,9 @@ Invariant between steps: the target's KV cache holds every committed token excep
 of the next draft. Each step feeds the tokens the cache lacks (the whole prompt at first, then just the root)
 and the draft nodes in one forward, so the root's logits predict the first draft token; plain decoding is
 simply the step with an empty draft.
+
+A `Sequence` holds one request's state between steps (plan → forward → commit); `generate` runs one sequence
+alone, the server's engine (accelgen/server/engine.py) runs many through batched forwards.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Iterator
 import torch
 
 from accelgen.draft import Draft, tree_attention
+from accelgen.models.batch import forward_alone
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import get_method
 from accelgen.sampling import SamplingConfig, logits_to_probs
@@ -26,7 +30,7 @@ from accelgen.verify import verify_greedy, verify_speculative_sampling
 class GenerationResult:
     token_ids: list[int]  # new tokens only (an EOS that ended generation included)
     text: str  # decoded new text, cut before a stop string
-    finish_reason: str  # "stop" (EOS or stop string) or "length" (max_new_tokens or context limit)
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or context limit) or "abort" (cut short)
     stats: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -103,32 +107,24 @@ def generate(
     (rendered with the tokenizer's chat template). Greedy when temperature is 0. Returns a GenerationResult,
     or with stream=True a GenerationStream of Chunks whose `.result` is set at the end.
     """
-    spec = get_method(method)
-    options = spec.check_options(method_options)
-    if "draft_model" in spec.needs and draft_model is None:
-        raise ValueError(f"method {method!r} needs a draft model: pass draft_model= (CLI: --draft)")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    sampling = SamplingConfig(temperature, top_k, top_p)
-    if not sampling.greedy and not spec.can_sample:
-        raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
-    generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    target = ModelRunner(model)
-    if len(prompt_ids) >= target.max_positions:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
-    make_verifier = spec.make_verifier or default_verifier
-    verify = make_verifier(sampling, **options)
-    drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
-                                generator=generator, **options)
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
-    steps = GenerationStream(_steps(target, drafter, verify, prompt_ids, output, generator))
+    sequence = Sequence.start(model, tokenizer, prompt, method=method, draft_model=draft_model,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=seed, stop=stop, **method_options)
+    steps = GenerationStream(_steps(sequence))
     if stream:
         return steps
     for _ in steps:
         pass
     return steps.result
+
+
+def _steps(sequence: "Sequence"):
+    """The loop for one sequence. Yields a Chunk per step; returns the GenerationResult."""
+    while not sequence.done:
+        step = sequence.plan()
+        target_logits = sequence.target.forward(step.input_ids, step.tree, step.logits_for_last)
+        yield sequence.commit(step, target_logits)
+    return sequence.finish()
 
 
 def default_verifier(sampling: SamplingConfig, **_options):
@@ -139,41 +135,133 @@ def default_verifier(sampling: SamplingConfig, **_options):
         draft, logits_to_probs(target_logits, sampling), generator)
 
 
-def _steps(target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator):
-    """The loop. Yields a Chunk per step; returns the GenerationResult."""
-    stats = Stats()
-    context = torch.tensor(prompt_ids, dtype=torch.long)
-    while not output.done:
-        # 1. propose: never draft past max_new_tokens (the step adds one token of its own) or the context
-        room = min(output.max_new_tokens - len(output.token_ids), target.max_positions - len(context)) - 1
+@dataclass
+class Step:
+    """What one sequence feeds the target in one step: its uncached tokens (ending with the root) + the draft."""
+
+    input_ids: torch.Tensor  # (m,) long
+    draft: Draft
+    tree: torch.Tensor | None  # (m, m) bool attention pattern when the draft is a tree, None for a chain
+    logits_for_last: int  # rows of logits needed: the root and every draft node
+    prefill_only: bool = False  # a chunk of a long prompt, before the root: nothing to verify or commit
+
+
+class Sequence:
+    """One request between steps: its committed context, KV cache (in `target`), drafter, verifier and output.
+
+    A step is `plan` (propose a draft), a target forward over `Step.input_ids` (alone, or batched with other
+    sequences by the server), then `commit` (verify, roll the cache back to the accepted path, emit tokens).
+    """
+
+    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator):
+        self.target = target
+        self.drafter = drafter
+        self.verify = verify
+        self.output = output
+        self.generator = generator
+        self.context = torch.tensor(prompt_ids, dtype=torch.long)
+        self.prompt_tokens = len(prompt_ids)
+        self.stats = Stats()
+
+    @classmethod
+    def start(cls, model, tokenizer, prompt, *, method: str = "autoregressive", draft_model=None,
+              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+              seed: int | None = None, stop: list[str] | str | None = None, **method_options) -> "Sequence":
+        """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input."""
+        spec = get_method(method)
+        options = spec.check_options(method_options)
+        if "draft_model" in spec.needs and draft_model is None:
+            raise ValueError(f"method {method!r} needs a draft model: pass draft_model= (CLI: --draft)")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampling = SamplingConfig(temperature, top_k, top_p)
+        if not sampling.greedy and not spec.can_sample:
+            raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
+        generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        target = ModelRunner(model)
+        if len(prompt_ids) >= target.max_positions:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
+        outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
+        if outside:
+            raise ValueError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{target.vocab_size - 1})")
+        make_verifier = spec.make_verifier or default_verifier
+        verify = make_verifier(sampling, **options)
+        drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
+                                    generator=generator, **options)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
+        return cls(target, drafter, verify, prompt_ids, output, generator)
+
+    @property
+    def done(self) -> bool:
+        return self.output.done
+
+    @property
+    def uncached(self) -> int:
+        """Committed tokens missing from the KV cache: the root, and before the first step the whole prompt."""
+        return len(self.context) - self.target.length
+
+    def plan(self, max_draft: int | None = None, prefill_limit: int = 0) -> Step:
+        """Propose this step's draft (at most max_draft nodes). With prefill_limit > 0, a longer prompt is fed
+        that many tokens per step first, so that it does not stall the other sequences of a batch."""
+        return forward_alone(self.planning(max_draft, prefill_limit))
+
+    def planning(self, max_draft: int | None = None, prefill_limit: int = 0):
+        """plan() as a generator of the drafter's model forwards, for drafters that offer `draft_steps`
+        (see DraftModelDrafter): the server runs the drafts of a whole batch together (forward_together)."""
+        uncached = self.context[self.target.length :]  # (p,) the prompt on the first step, afterwards the root alone
+        if 0 < prefill_limit < len(uncached):
+            return Step(uncached[:prefill_limit], Draft.empty(), None, logits_for_last=1, prefill_only=True)
+        # never draft past max_new_tokens (the step adds one token of its own) or the context
+        room = min(self.output.max_new_tokens - len(self.output.token_ids), self.target.max_positions - len(self.context)) - 1
+        if max_draft is not None:
+            room = min(room, max_draft)
         started = time.perf_counter()
-        draft = drafter.propose(context, room).truncated(max(room, 0)) if room > 0 else Draft.empty()
-        stats.draft_seconds += time.perf_counter() - started
-        # 2. score: the uncached tokens (ending with the root) + every draft node in one target forward
-        uncached = context[target.length :]  # (p,) the prompt on the first step, afterwards the root alone
-        prefix = len(context) - 1  # cache positions before the root
+        draft = Draft.empty()
+        if room > 0:
+            draft_steps = getattr(self.drafter, "draft_steps", None)
+            if draft_steps is not None:
+                draft = yield from draft_steps(self.context, room)
+            else:
+                draft = self.drafter.propose(self.context, room)
+            draft = draft.truncated(room)
+        self.stats.draft_seconds += time.perf_counter() - started
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
-        target_logits = target.forward(torch.cat([uncached, draft.tokens]), tree, logits_for_last=len(draft) + 1)
-        # target_logits: (n+1, vocab), row 0 at the root, row i+1 after node i
-        # 3. verify
-        verdict = verify(draft, target_logits, generator)
-        # 4. commit: the cache keeps the root and the accepted path; the next token becomes the new root
-        target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
-        drafter.update(draft, verdict, target_logits)
-        stats.record(draft, len(verdict.accepted))
+        return Step(torch.cat([uncached, draft.tokens]), draft, tree, logits_for_last=len(draft) + 1)
+
+    def commit(self, step: Step, target_logits: torch.Tensor) -> Chunk:
+        """Verify the step's draft against target_logits (logits_for_last, vocab): row 0 at the root, row i+1
+        after node i. The cache keeps the root and the accepted path; the next token becomes the new root."""
+        if step.prefill_only:
+            return Chunk([], "")
+        draft = step.draft
+        verdict = self.verify(draft, target_logits, self.generator)
+        prefix = len(self.context) - 1  # cache positions before the root
+        self.target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
+        self.drafter.update(draft, verdict, target_logits)
+        self.stats.record(draft, len(verdict.accepted))
         committed = []
         for token in verdict.new_tokens(draft):
             committed.append(token)
-            if output.add(token):
+            if self.output.add(token):
                 break
-        context = torch.cat([context, torch.tensor(committed, dtype=torch.long)])
-        if len(context) >= target.max_positions:
-            output.finish_reason = output.finish_reason or "length"
-        yield Chunk(committed, output.stream_delta())
-    close = getattr(drafter, "close", None)  # optional: release per-request state (e.g. a shared trie's prompt branches)
-    if close is not None:
-        close()
-    return GenerationResult(output.token_ids, output.text, output.finish_reason, stats.as_dict(len(output.token_ids)))
+        self.context = torch.cat([self.context, torch.tensor(committed, dtype=torch.long)])
+        if len(self.context) >= self.target.max_positions:
+            self.output.finish_reason = self.output.finish_reason or "length"
+        return Chunk(committed, self.output.stream_delta())
+
+    def finish(self) -> GenerationResult:
+        """Release per-request drafter state and return the result (also for a sequence cut short)."""
+        close = getattr(self.drafter, "close", None)  # e.g. a shared trie's prompt branches
+        if close is not None:
+            close()
+        output = self.output
+        stats = self.stats.as_dict(len(output.token_ids))
+        describe = getattr(self.drafter, "describe", None)  # optional: what a policy (`auto`) chose, and why
+        if describe is not None:
+            stats["choice"] = describe()
+        return GenerationResult(output.token_ids, output.text, output.finish_reason or "abort", stats)
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:

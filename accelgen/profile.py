@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.models.batch import batched_forward
 from accelgen.models.runner import ModelRunner
 from accelgen.theory import best_gamma, predicted_speedup
 
@@ -35,9 +36,30 @@ def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: 
     return statistics.median(times[1:])
 
 
-def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, repeats: int = 5,
+def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5) -> dict[int, float]:
+    """Per k in sizes: median time of one batched forward of `batch` sequences, k tokens each after prompt_ids."""
+    runners = [ModelRunner(model) for _ in range(batch)]
+    for runner in runners:
+        runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
+    prefix = runners[0].length
+    seconds = {}
+    for k in sizes:
+        block = torch.tensor((prompt_ids * k)[:k])  # token values do not change the cost
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            batched_forward(runners, [(block, None, k)] * batch)
+            times.append(time.perf_counter() - started)
+            for runner in runners:
+                runner.keep(prefix, [])
+        seconds[k] = statistics.median(times[1:])
+    return seconds
+
+
+def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, repeats: int = 5, batch_sizes=(),
             progress: Callable[[str], None] = lambda message: None) -> dict:
-    """Target forward time per block size k and r(k) = t(k) / t(1); with a draft model, its time and c."""
+    """Target forward time per block size k and r(k) = t(k) / t(1); with a draft model, its time and c;
+    with batch_sizes, t(b, k) for b sequences of k tokens each (the server's batched verification)."""
     prompt_ids = [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
     target_seconds = {}
     for k in sorted(set(sizes) | {1}):
@@ -45,6 +67,11 @@ def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, 
         target_seconds[k] = forward_seconds(model, prompt_ids, k, repeats)
     result = {"context_tokens": context_tokens, "target_seconds": target_seconds,
               "verify_ratio": {k: seconds / target_seconds[1] for k, seconds in target_seconds.items()}}
+    if batch_sizes:
+        result["batch_seconds"] = {}
+        for batch in sorted(set(batch_sizes)):
+            progress(f"batches of {batch} sequences")
+            result["batch_seconds"][batch] = batch_forward_seconds(model, prompt_ids, batch, sorted(set(sizes) | {1}), repeats)
     if draft_model is not None:
         progress("draft forward over 1 token")
         result["draft_seconds"] = forward_seconds(draft_model, prompt_ids, 1, repeats)
@@ -65,6 +92,21 @@ def verify_ratio(measured: dict[int, float], k: int) -> float:
         return measured[below]
     slope = (measured[above] - measured[below]) / (above - below)
     return measured[below] + slope * (k - below)
+
+
+def batch_table(result: dict, alpha: float, max_gamma: int = 16) -> list[dict]:
+    """Per batch size b, for a model-free drafter of acceptance α: the γ with the best predicted throughput
+    gain E(α, γ) · t(b, 1) / t(b, γ+1), that gain, and the token budget b · (γ + 1) it implies (the server
+    caps drafts at budget // b − 1)."""
+    rows = []
+    for batch, seconds in result["batch_seconds"].items():
+        ratio = {k: t / seconds[1] for k, t in seconds.items()}
+        best = best_gamma(alpha, 0.0, max_gamma, lambda tokens: verify_ratio(ratio, tokens))
+        gain = predicted_speedup(alpha, best, 0.0, verify_ratio(ratio, best + 1))
+        if gain <= 1.0:  # verification is no longer nearly free: do not speculate
+            best, gain = 0, 1.0
+        rows.append({"batch": batch, "best_gamma": best, "predicted_gain": gain, "token_budget": batch * (best + 1)})
+    return rows
 
 
 def speedup_table(result: dict, alphas, max_gamma: int = 16) -> list[dict]:

@@ -70,6 +70,40 @@ def tune_self_speculative(model, tokenizer, prompts: list[list[int]], *, trials:
             "trials": trials, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
 
 
+def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, max_new_tokens: int = 48,
+              progress: Callable[[int, int, dict], None] | None = None) -> dict:
+    """Time every `auto` candidate on the calibration prompts (greedy); returns the fastest and the table.
+
+    Two rounds in opposite orders, each candidate keeping its better round, so that a slow moment of the
+    machine does not decide the choice."""
+    from accelgen.drafters.auto import candidates
+
+    if not prompts:
+        raise ValueError("calibration needs at least one prompt")
+    options = candidates(draft_model is not None)
+    generate(model, tokenizer, prompts[0], max_new_tokens=2)  # warm-up
+    measured: dict[int, tuple[float, float]] = {}
+    order = list(range(len(options)))
+    for round_index, indices in enumerate([order, order[::-1]]):
+        for done, index in enumerate(indices):
+            method, method_options = options[index]
+            cost, tau = seconds_per_token(model, tokenizer, prompts, max_new_tokens, method=method,
+                                          draft_model=draft_model, **method_options)
+            best = measured.get(index)
+            measured[index] = (cost, tau) if best is None or cost < best[0] else best
+            if progress:
+                progress(round_index * len(options) + done, 2 * len(options),
+                         {"method": method, "options": method_options, "seconds_per_token": cost, "tau": tau})
+    plain = measured[0][0]  # candidates()[0] is autoregressive
+    table = [{"method": method, "options": method_options, "seconds_per_token": measured[i][0], "tau": measured[i][1],
+              "speedup": plain / measured[i][0]} for i, (method, method_options) in enumerate(options)]
+    best = max(table, key=lambda row: row["speedup"])
+    reason = (f"fastest of {len(table)} candidates on {len(prompts)} calibration prompts: {best['speedup']:.2f}× "
+              f"autoregressive, τ {best['tau']:.2f}")
+    return {"method": best["method"], "options": best["options"], "reason": reason, "table": table,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+
+
 def save_tuned_skip(model, result: dict):
     """Write the result beside the model's weights; returns the path."""
     path = tuned_skip_path(model)

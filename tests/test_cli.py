@@ -56,3 +56,17 @@ def test_readme_method_table_is_the_registry():
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert methods_markdown(accelgen.list_methods()) in readme
+
+
+def test_serve_refuses_bad_methods_and_options_before_loading():
+    unknown = runner.invoke(app, ["serve", "--method", "warp-drive"])
+    assert unknown.exit_code == 2 and "unknown method 'warp-drive'" in unknown.output
+    unserved = runner.invoke(app, ["serve", "--method", "pld", "-o", "speculative.gamma=3"])
+    assert unserved.exit_code == 2 and "does not serve" in unserved.output
+    typo = runner.invoke(app, ["serve", "--method", "pld", "-o", "pld.max_ngramm=3"])
+    assert typo.exit_code == 2 and "max_ngramm" in typo.output
+
+
+def test_loadtest_refuses_remote_servers():
+    result = runner.invoke(app, ["loadtest", "--url", "http://example.com:8000", "--dataset", "humaneval", "--limit", "2"])
+    assert result.exit_code == 2 and "only targets this machine" in result.output

@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from accelgen.cli import app
-from accelgen.profile import profile, speedup_table, verify_ratio
+from accelgen.profile import batch_table, profile, speedup_table, verify_ratio
 from accelgen.theory import best_gamma
 
 
@@ -39,3 +39,19 @@ def test_profile_command(smollm):
     assert set(result["target_seconds"]) == {"1", "2"} and result["predictions"][0]["alpha"] == 0.8
     bad = CliRunner().invoke(app, ["profile", "--sizes", "0,x"])
     assert bad.exit_code != 0 and "--sizes" in bad.output
+
+
+def test_batch_table_drafts_less_as_batched_verification_gets_costly():
+    result = {"batch_seconds": {
+        1: {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.3},  # alone: verification nearly free
+        8: {1: 2.0, 2: 3.6, 4: 7.0, 8: 14.0, 16: 28.0},  # a full batch: every extra token costs its share
+    }}
+    rows = {row["batch"]: row for row in batch_table(result, alpha=0.8)}
+    assert rows[1]["best_gamma"] >= 4 and rows[1]["predicted_gain"] > 2
+    assert rows[8]["best_gamma"] == 0 and rows[8]["predicted_gain"] == 1.0 and rows[8]["token_budget"] == 8
+
+
+def test_profile_times_batched_forwards(tiny_target):
+    result = profile(tiny_target, context_tokens=8, sizes=(2,), repeats=1, batch_sizes=(1, 3))
+    assert sorted(result["batch_seconds"]) == [1, 3] and sorted(result["batch_seconds"][3]) == [1, 2]
+    assert min(result["batch_seconds"][3].values()) > 0

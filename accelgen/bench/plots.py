@@ -92,3 +92,25 @@ def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def loadtest_plot(result: dict, methods: list[str], path: Path) -> Path:
+    """Left: tokens/s per method under load; right: the server's resident memory over the run."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    summary = result["summary"]
+    values = [summary[m]["tokens_per_second"] for m in methods]
+    bars = left.bar(methods, values, color="tab:blue")
+    left.bar_label(bars, labels=[f"{v:.1f}" for v in values], fontsize=8)
+    left.set_ylabel("tokens/s (all clients)")
+    left.set_title("Throughput under load")
+    if result["memory"]:
+        seconds, mib = zip(*result["memory"])
+        right.plot(seconds, mib, color="tab:red")
+        right.set_ylim(0, max(mib) * 1.1)
+    right.set_xlabel("seconds into the run")
+    right.set_ylabel("server resident memory (MiB)")
+    right.set_title("Memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

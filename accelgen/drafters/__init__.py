@@ -5,3 +5,4 @@ from accelgen.drafters import cascade, staged  # noqa: F401
 from accelgen.drafters import universal  # noqa: F401
 from accelgen.drafters import self_speculative  # noqa: F401
 from accelgen.drafters import spectr, specdec, contrastive, bild  # noqa: F401
+from accelgen.drafters import auto  # noqa: F401

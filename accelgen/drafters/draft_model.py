@@ -16,6 +16,7 @@ import time
 import torch
 
 from accelgen.draft import Draft, Verdict
+from accelgen.models.batch import forward_alone
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
@@ -55,12 +56,20 @@ class DraftModelDrafter:
         self.costs = CostEstimate() if gamma_schedule == "cost" else None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
+        return forward_alone(self.draft_steps(context, max_nodes))
+
+    def draft_steps(self, context: torch.Tensor, max_nodes: int):
+        """propose() as a generator of its draft-model forwards: yields (runner, token_ids) and is sent back
+        the (vocab,) logits after them, so a server can run many sequences' drafts in one batched forward."""
         # the draft model may have a shorter context than the target: draft less, or not at all
         gamma = min(self.gamma, max_nodes, self.runner.max_positions - len(context))
         if gamma <= 0:
             return Draft.empty()
         started = time.perf_counter()
-        logits = self._catch_up(context.tolist())
+        context_ids = context.tolist()
+        shared = roll_back(self.runner, self.cached_tokens, context_ids)
+        logits = yield self.runner, torch.tensor(context_ids[shared:])
+        self.cached_tokens = context_ids
         tokens, probs = [], []
         for step in range(gamma):
             if self.sampling.greedy:
@@ -79,17 +88,12 @@ class DraftModelDrafter:
             if confidence < self.confidence_threshold:
                 break
             if step < gamma - 1:  # the last draft token needs no forward of its own
-                logits = self.runner.forward(torch.tensor([token]))[-1]
+                logits = yield self.runner, torch.tensor([token])
                 self.cached_tokens.append(token)
         draft_probs = torch.stack(probs) if probs else None
         if self.costs is not None:
             self.costs.drafted(forwards=len(tokens), seconds=time.perf_counter() - started)
         return Draft.chain(torch.tensor(tokens), draft_probs)
-
-    def _catch_up(self, context: list[int]) -> torch.Tensor:
-        logits = catch_up(self.runner, self.cached_tokens, context)
-        self.cached_tokens = list(context)
-        return logits
 
     def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
         if self.gamma_schedule == "heuristic":  # as HF assisted generation: grow on full acceptance, else shrink

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from accelgen.drafters.draft_model import DraftModelDrafter
 from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, register
 
 SKIP_FILE = "self-speculative.json"
@@ -30,8 +31,7 @@ def default_skip(layer_count: int) -> dict[str, list[int]]:
 
 def tuned_skip_path(model) -> Path | None:
     """Where `accelgen tune` keeps a model's skip set: beside its weights (None for a model not loaded from disk)."""
-    folder = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
-    return Path(folder) / SKIP_FILE if folder and Path(folder).is_dir() else None
+    return beside_weights(model, SKIP_FILE)
 
 
 def resolve_skip(model, skip) -> dict[str, list[int]]:

@@ -43,6 +43,13 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
 
 
+def beside_weights(model, filename: str) -> Path | None:
+    """A file in the folder the model was loaded from (where tuning results are kept); None for a model
+    not loaded from a folder."""
+    folder = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
+    return Path(folder) / filename if folder and Path(folder).is_dir() else None
+
+
 def cached_model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 

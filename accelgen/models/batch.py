@@ -1,0 +1,117 @@
+"""One target forward for several sequences, each with its own KV cache and its own number of new tokens.
+
+Every sequence keeps its own cache (a `ModelRunner`), so ragged acceptance needs nothing special: after
+the forward each sequence rolls its own cache back with `keep`. A batched forward stacks the caches into
+one padded batch and splits it again afterwards; on a CPU that copy costs little next to the forward.
+
+Layout of row i (cache lengths L_i, new blocks of m_i tokens; L = max L_i, M = max m_i):
+
+    [ pad · (L - L_i) | cache · L_i | pad · (M - m_i) | new · m_i ]
+
+Caches are left-padded and new blocks right-aligned, so the last k columns of every row are that row's
+last k new tokens and one `logits_to_keep` serves the whole batch. A 4-D attention mask hides the padding;
+padding queries attend to themselves only (their outputs are thrown away).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen import cache as kv
+from accelgen.models.runner import ModelRunner
+
+
+@torch.inference_mode()
+def batched_forward(runners: list[ModelRunner], blocks: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> list[torch.Tensor]:
+    """Run ModelRunner.forward(token_ids, tree, logits_for_last) for every (runner, block) pair in one forward.
+
+    All runners wrap the same model. Returns each block's logits, (logits_for_last, vocab) float32, and
+    leaves every runner's cache extended by its block, exactly as its own forward would.
+    """
+    if len(runners) == 1:
+        return [runners[0].forward(*blocks[0])]
+    model = runners[0].model
+    lengths = [runner.length for runner in runners]
+    widths = [len(token_ids) for token_ids, _, _ in blocks]
+    cached, new = max(lengths), max(widths)
+    input_ids = torch.zeros(len(runners), new, dtype=torch.long)
+    positions = torch.zeros(len(runners), new, dtype=torch.long)
+    allowed = torch.zeros(len(runners), new, cached + new, dtype=torch.bool)
+    for row, ((token_ids, tree, _), length, width) in enumerate(zip(blocks, lengths, widths)):
+        offset = new - width  # padding before this row's new tokens
+        pattern = torch.ones(width, width, dtype=torch.bool).tril() if tree is None else tree
+        input_ids[row, offset:] = token_ids
+        positions[row, offset:] = length + pattern.sum(dim=-1) - 1  # cache length + depth in the block
+        positions[row, :offset] = length
+        allowed[row, offset:, cached - length : cached] = True
+        allowed[row, offset:, cached + offset :] = pattern
+        allowed[row, :offset, cached : cached + offset] = torch.eye(offset, dtype=torch.bool)
+    mask = torch.zeros(allowed.shape, dtype=model.dtype)
+    mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
+    cache = kv.stack_left_padded([runner.cache for runner in runners], lengths, model.config)
+    logits_for_last = max(keep for _, _, keep in blocks)
+    output = model(
+        input_ids=input_ids.to(model.device),
+        position_ids=positions.to(model.device),
+        attention_mask=mask[:, None].to(model.device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=logits_for_last,
+    )
+    logits = output.logits.float()  # (batch, logits_for_last, vocab)
+    for row, (runner, length, width) in enumerate(zip(runners, lengths, widths)):
+        runner.cache = kv.row_of(cache, row, [(cached - length, cached), (cached + new - width, cached + new)],
+                                 model.config)
+    return [logits[row, logits_for_last - keep :] for row, (_, _, keep) in enumerate(blocks)]
+
+
+def forward_alone(steps):
+    """Drive a generator of (runner, token_ids) forwards one at a time; returns what the generator returns."""
+    try:
+        runner, token_ids = next(steps)
+        while True:
+            runner, token_ids = steps.send(runner.forward(token_ids, logits_for_last=1)[-1])
+    except StopIteration as stop:
+        return stop.value
+
+
+def forward_together(generators: list) -> list:
+    """Drive several generators of (runner, token_ids) forwards in lockstep (as `forward_alone` drives one):
+    at each round, the pending forwards of plain runners over the same model share one batched forward.
+
+    Returns each generator's return value, or the exception it raised (one failing generator stops only itself).
+    """
+    results: list = [None] * len(generators)
+    pending: dict[int, tuple[ModelRunner, torch.Tensor]] = {}
+
+    def advance(index: int, sent) -> None:
+        try:
+            pending[index] = generators[index].send(sent)
+        except StopIteration as stop:
+            pending.pop(index, None)
+            results[index] = stop.value
+        except Exception as error:
+            pending.pop(index, None)
+            results[index] = error
+
+    for index in range(len(generators)):
+        advance(index, None)
+    while pending:
+        groups: dict[object, list[int]] = {}
+        for index, (runner, _) in pending.items():
+            # runners of other kinds (layer skipping) forward alone
+            key = id(runner.model) if type(runner) is ModelRunner else ("alone", index)
+            groups.setdefault(key, []).append(index)
+        for indices in groups.values():
+            runners = [pending[i][0] for i in indices]
+            try:
+                logits = batched_forward(runners, [(pending[i][1], None, 1) for i in indices])
+            except Exception as error:
+                for i in indices:
+                    generators[i].close()
+                    pending.pop(i)
+                    results[i] = error
+                continue
+            for i, row in zip(indices, logits):
+                advance(i, row[-1])
+    return results

@@ -1,0 +1,231 @@
+"""Continuous batching: many sequences share each target forward, each with its own draft and acceptance.
+
+One engine thread runs the loop. Between steps, waiting requests join the batch (up to `max_batch`) and
+finished or cancelled ones leave it. Each step, every sequence in the batch proposes its draft, one
+batched target forward scores all of them (`models/batch.py`), and each sequence verifies and commits on
+its own: acceptance is ragged, since every sequence keeps its own KV cache.
+
+Two policies keep the batch fast and fair:
+- chunked prefill (SARATHI): prompts share a budget of `prefill_chunk` tokens per step, in arrival order, so
+  a long prompt is fed chunk by chunk alongside the decodes instead of stalling them;
+- speculation by batch size (the synergy of speculative decoding and batching): verifying k tokens costs
+  about as much as one only while the whole forward is small, so drafts are capped at
+  `token_budget // batch_size - 1` nodes: long drafts when alone, none when the batch fills the budget.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from accelgen.generate import Chunk, GenerationResult, Sequence, Step
+from accelgen.models.batch import batched_forward, forward_together
+
+
+@dataclass
+class Request:
+    """A sequence waiting for or in the batch. `emit` receives Chunks, then a GenerationResult or an Exception."""
+
+    sequence: Sequence
+    emit: Callable[[Chunk | GenerationResult | Exception], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Abort: the engine drops the sequence (and frees its cache) before its next step."""
+        self.cancelled.set()
+
+
+@dataclass
+class EngineStats:
+    """Counters for /metrics."""
+
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0
+    new_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0  # sequence-steps that verified a draft (a batched forward counts once per sequence)
+    forwards: int = 0  # batched target forwards
+    step_seconds: float = 0.0
+    batch_size: int = 0
+    queue_length: int = 0
+
+
+def draft_cap(batch_size: int, token_budget: int) -> int | None:
+    """Most draft nodes per sequence when batch_size sequences share a forward; None = no cap (budget 0)."""
+    if token_budget <= 0:
+        return None
+    return max(0, token_budget // batch_size - 1)
+
+
+def _load_malloc_trim():
+    """glibc's malloc_trim, or None elsewhere. Each step allocates and frees KV tensors of ever-changing sizes,
+    from several threads; glibc keeps much of that freed memory, so a long-running server would creep up.
+    Trimming now and then hands it back to the system."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim") if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+TRIM_EVERY_SECONDS = 5.0
+
+
+class Engine:
+    def __init__(self, max_batch: int = 8, prefill_chunk: int = 256, token_budget: int = 8):
+        if max_batch < 1 or prefill_chunk < 0 or token_budget < 0:
+            raise ValueError("max_batch must be >= 1, prefill_chunk and token_budget >= 0")
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.token_budget = token_budget
+        self.stats = EngineStats()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # sequences and the tokenizer are only touched under this lock (the engine holds it except during the
+        # target forward), so that requests can be prepared on other threads while a step runs
+        self.lock = threading.Lock()
+        self._trimmed_at = 0.0
+
+    # --- called from any thread ---
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            self._waiting.append(request)
+            self.stats.requests += 1
+            self._wake.notify()
+
+    @property
+    def load(self) -> int:
+        """Requests waiting or running."""
+        return len(self._waiting) + len(self._running)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="accelgen-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace_seconds: float = 30.0) -> None:
+        """Stop taking requests, let those in flight finish for up to grace_seconds, then cancel the rest."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        deadline = time.monotonic() + grace_seconds
+        while self.load and time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            time.sleep(0.05)
+        for request in list(self._waiting) + list(self._running):
+            request.cancel()
+        with self._wake:
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # --- the engine thread ---
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._running and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._waiting and not self._running:
+                    return
+            try:
+                self.step()
+            except Exception as error:  # a bug, not a request's fault: fail what is running, keep serving
+                with self.lock:
+                    for request in list(self._running):
+                        self._leave(request, error)
+
+    def step(self) -> None:
+        """One scheduling step: admit, drop cancelled, plan, one batched forward, commit. (Tests call it directly.)"""
+        started = time.perf_counter()
+        with self.lock:
+            planned = self._plan()
+        if not planned:
+            return
+        try:
+            all_logits = batched_forward([r.sequence.target for r, _ in planned],
+                                         [(step.input_ids, step.tree, step.logits_for_last) for _, step in planned])
+        except Exception as error:
+            all_logits = [error] * len(planned)
+        with self.lock:
+            for (request, step), target_logits in zip(planned, all_logits):
+                self._commit(request, step, target_logits)
+        self.stats.forwards += 1
+        self.stats.batch_size = len(planned)
+        self.stats.step_seconds += time.perf_counter() - started
+
+    def _plan(self) -> list[tuple[Request, Step]]:
+        with self._wake:
+            while self._waiting and len(self._running) < self.max_batch:
+                self._running.append(self._waiting.popleft())
+            self.stats.queue_length = len(self._waiting)
+        for request in [r for r in self._running if r.cancelled.is_set() or r.sequence.done]:
+            self._leave(request)  # cancelled, or nothing to generate (max_tokens 0)
+            if request.sequence.done:
+                self.stats.finished += 1
+            else:
+                self.stats.aborted += 1
+        # prompt tokens share a budget of prefill_chunk per step, taken in arrival order; decodes always run
+        active, prefill_limits, budget = [], {}, self.prefill_chunk
+        for request in self._running:
+            if self.prefill_chunk and request.sequence.uncached > 1:
+                if budget == 0:
+                    continue  # sits this step out
+                prefill_limits[id(request)] = budget
+                budget -= min(budget, request.sequence.uncached)
+            active.append(request)
+        cap = draft_cap(len(active), self.token_budget) if active else None
+        # draft models run for the whole batch in lockstep, one batched forward per draft step
+        steps = forward_together([r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active])
+        planned = []
+        for request, step in zip(active, steps):
+            if isinstance(step, Exception):  # a drafter failing hurts its own request only
+                self._leave(request, step)
+            else:
+                planned.append((request, step))
+        return planned
+
+    def _commit(self, request: Request, step: Step, target_logits) -> None:
+        try:
+            if isinstance(target_logits, Exception):
+                raise target_logits
+            chunk = request.sequence.commit(step, target_logits)
+        except Exception as error:
+            self._leave(request, error)
+            return
+        if not step.prefill_only:
+            self.stats.verify_steps += 1
+            self.stats.draft_tokens += len(step.draft)
+            self.stats.accepted_tokens += request.sequence.stats.accepted_per_step[-1]
+            self.stats.new_tokens += len(chunk.token_ids)
+        if chunk.token_ids or chunk.text:
+            request.emit(chunk)
+        if request.sequence.done:
+            self._leave(request)
+            self.stats.finished += 1
+
+    def _leave(self, request: Request, error: Exception | None = None) -> None:
+        """Take a request out of the batch, free its state and send its result (or error)."""
+        self._running.remove(request)
+        if _MALLOC_TRIM is not None and time.monotonic() - self._trimmed_at > TRIM_EVERY_SECONDS:
+            self._trimmed_at = time.monotonic()
+            _MALLOC_TRIM(0)
+        result = request.sequence.finish()
+        if error is not None:
+            self.stats.failed += 1
+            request.emit(error)
+        else:
+            request.emit(result)  # finish_reason "abort" when cancelled (nobody may be listening any more)

@@ -1,0 +1,148 @@
+"""Continuous batching: every request in a shared batch gets exactly the tokens it would get alone."""
+
+import pytest
+
+import accelgen
+from accelgen.generate import Chunk, GenerationResult, Sequence
+from accelgen.server import engine as engine_module
+from accelgen.server.engine import Engine, Request, draft_cap
+
+PROMPTS = [
+    [5, 17, 923, 4410, 77, 12],
+    [8, 9, 10, 8, 9, 10, 8, 9],  # repetitive: prompt lookup finds matches
+    list(range(300, 340)),  # long: prefilled in chunks
+    [1000, 20, 3000],
+]
+
+
+class Collector:
+    def __init__(self):
+        self.chunks: list[Chunk] = []
+        self.result: GenerationResult | None = None
+        self.error: Exception | None = None
+
+    def __call__(self, event):
+        if isinstance(event, Chunk):
+            self.chunks.append(event)
+        elif isinstance(event, GenerationResult):
+            self.result = event
+        else:
+            self.error = event
+
+
+def submit(engine, model, tokenizer, prompt, **kwargs) -> tuple[Request, Collector]:
+    collector = Collector()
+    request = Request(Sequence.start(model, tokenizer, prompt, **kwargs), collector)
+    engine.submit(request)
+    return request, collector
+
+
+def run_until_idle(engine: Engine, max_steps: int = 500) -> int:
+    steps = 0
+    while engine.load and steps < max_steps:
+        engine.step()
+        steps += 1
+    assert not engine.load, "engine did not finish"
+    return steps
+
+
+REQUESTS = [  # (method, options) per prompt: chains, a tree, model-free and model drafters, ragged acceptance
+    ("speculative", {"gamma": 4}),  # draft = target: every draft token accepted
+    ("pld", {}),
+    ("specinfer", {}),
+    ("autoregressive", {}),
+]
+
+
+@pytest.mark.parametrize("prefill_chunk,token_budget", [(0, 0), (16, 0), (16, 12)])
+def test_batched_requests_match_each_request_alone(tiny_target, tokenizer, prefill_chunk, token_budget, monkeypatch):
+    batch_sizes = []
+    real_forward = engine_module.batched_forward
+    monkeypatch.setattr(engine_module, "batched_forward",
+                        lambda runners, blocks: batch_sizes.append(len(runners)) or real_forward(runners, blocks))
+    engine = Engine(max_batch=3, prefill_chunk=prefill_chunk, token_budget=token_budget)
+    submitted = []
+    for prompt, (method, options) in zip(PROMPTS, REQUESTS):
+        kwargs = dict(method=method, draft_model=tiny_target, max_new_tokens=24, **options)
+        alone = accelgen.generate(tiny_target, tokenizer, prompt, **kwargs)
+        submitted.append((alone, *submit(engine, tiny_target, tokenizer, prompt, **kwargs)))
+    run_until_idle(engine)
+    for alone, request, collector in submitted:
+        assert collector.error is None
+        assert collector.result.token_ids == alone.token_ids
+        assert [t for chunk in collector.chunks for t in chunk.token_ids] == alone.token_ids
+        assert "".join(chunk.text for chunk in collector.chunks) == alone.text
+    assert engine.stats.finished == len(PROMPTS) and max(batch_sizes) == 3  # the fourth joined when one left
+    speculative = submitted[0][2].result.stats
+    if token_budget:  # 12 // 3 - 1 = 3 draft tokens while three share the batch
+        assert speculative["mean_accepted_tokens"] <= 4
+    else:
+        assert speculative["mean_accepted_tokens"] > 4
+
+
+def test_random_draft_rejected_in_a_batch_is_still_lossless(tiny_target, tiny_draft, tokenizer):
+    engine = Engine(max_batch=4, token_budget=0)
+    expected, collectors = [], []
+    for prompt in PROMPTS:
+        kwargs = dict(method="speculative", draft_model=tiny_draft, max_new_tokens=16)
+        expected.append(accelgen.generate(tiny_target, tokenizer, prompt, **kwargs).token_ids)
+        collectors.append(submit(engine, tiny_target, tokenizer, prompt, **kwargs)[1])
+    run_until_idle(engine)
+    assert [c.result.token_ids for c in collectors] == expected
+
+
+def test_prompts_share_a_prefill_budget_per_step(tiny_target, tokenizer):
+    engine = Engine(max_batch=4, prefill_chunk=8)
+    short = submit(engine, tiny_target, tokenizer, [5, 6], max_new_tokens=30)[1]
+    long_prompts = [submit(engine, tiny_target, tokenizer, list(range(100 + 50 * i, 140 + 50 * i)), max_new_tokens=2)[1]
+                    for i in range(2)]
+    engine.step()  # the short prompt (2 tokens) and a 6-token chunk of the first long one; the second waits
+    assert len(short.chunks) == 1 and long_prompts[0].result is None
+    assert engine.stats.batch_size == 2
+    for _ in range(4):
+        engine.step()
+    assert not long_prompts[0].chunks  # 6 + 4 × 8 = 38 of its 40 tokens fed: not decoding yet
+    assert len(short.chunks) == 5  # while the short request streamed on every step
+    run_until_idle(engine)
+    assert all(c.result.finish_reason == "length" for c in [short, *long_prompts])
+
+
+def test_cancelled_request_leaves_the_batch(tiny_target, tokenizer):
+    engine = Engine(max_batch=2)
+    kept = submit(engine, tiny_target, tokenizer, PROMPTS[0], max_new_tokens=20)[1]
+    request, cancelled = submit(engine, tiny_target, tokenizer, PROMPTS[1], max_new_tokens=20)
+    engine.step()
+    request.cancel()
+    run_until_idle(engine)
+    assert cancelled.result.finish_reason == "abort" and len(cancelled.result.token_ids) == 1
+    assert kept.result.finish_reason == "length" and len(kept.result.token_ids) == 20
+    assert engine.stats.aborted == 1 and engine.stats.finished == 1
+
+
+def test_a_failing_drafter_fails_its_own_request_only(tiny_target, tokenizer):
+    engine = Engine(max_batch=2)
+    good = submit(engine, tiny_target, tokenizer, PROMPTS[0], max_new_tokens=5)[1]
+    request, bad = submit(engine, tiny_target, tokenizer, PROMPTS[1], max_new_tokens=5)
+
+    def broken(context, room):
+        raise RuntimeError("drafter broke")
+
+    request.sequence.drafter.propose = broken
+    run_until_idle(engine)
+    assert isinstance(bad.error, RuntimeError) and bad.result is None
+    assert good.result.finish_reason == "length" and engine.stats.failed == 1
+
+
+def test_draft_cap_falls_with_batch_size():
+    assert [draft_cap(b, 16) for b in (1, 2, 4, 8, 16, 32)] == [15, 7, 3, 1, 0, 0]
+    assert draft_cap(8, 0) is None
+
+
+def test_engine_thread_serves_and_stops(tiny_target, tokenizer):
+    engine = Engine()
+    engine.start()
+    collector = submit(engine, tiny_target, tokenizer, PROMPTS[0], max_new_tokens=8)[1]
+    engine.stop(grace_seconds=30)
+    assert collector.result is not None and len(collector.result.token_ids) == 8
+    with pytest.raises(RuntimeError, match="shutting down"):
+        submit(engine, tiny_target, tokenizer, PROMPTS[0])
