@@ -23,21 +23,12 @@ SIZES = (1, 2, 4, 8, 16, 32)
 
 def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: int = 5) -> float:
     """Median time of one forward over `new_tokens` tokens after a KV cache of prompt_ids (the first is warm-up)."""
-    runner = ModelRunner(model)
-    runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
-    prefix = runner.length
-    block = torch.tensor((prompt_ids * new_tokens)[:new_tokens])  # token values do not change the cost
-    times = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        runner.forward(block)  # every row's logits, as verification needs them
-        times.append(time.perf_counter() - started)
-        runner.keep(prefix, [])  # forget the block again
-    return statistics.median(times[1:])
+    return batch_forward_seconds(model, prompt_ids, 1, [new_tokens], repeats)[new_tokens]
 
 
 def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5) -> dict[int, float]:
-    """Per k in sizes: median time of one batched forward of `batch` sequences, k tokens each after prompt_ids."""
+    """Per k in sizes: median time of one forward of `batch` sequences, k tokens each after a KV cache of
+    prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up)."""
     runners = [ModelRunner(model) for _ in range(batch)]
     for runner in runners:
         runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
@@ -51,7 +42,7 @@ def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repea
             batched_forward(runners, [(block, None, k)] * batch)
             times.append(time.perf_counter() - started)
             for runner in runners:
-                runner.keep(prefix, [])
+                runner.keep(prefix, [])  # forget the block again
         seconds[k] = statistics.median(times[1:])
     return seconds
 
@@ -61,17 +52,16 @@ def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, 
     """Target forward time per block size k and r(k) = t(k) / t(1); with a draft model, its time and c;
     with batch_sizes, t(b, k) for b sequences of k tokens each (the server's batched verification)."""
     prompt_ids = [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
-    target_seconds = {}
-    for k in sorted(set(sizes) | {1}):
-        progress(f"target forward over {k} token(s)")
-        target_seconds[k] = forward_seconds(model, prompt_ids, k, repeats)
+    block_sizes = sorted(set(sizes) | {1})
+    progress("target forwards")
+    target_seconds = batch_forward_seconds(model, prompt_ids, 1, block_sizes, repeats)
     result = {"context_tokens": context_tokens, "target_seconds": target_seconds,
               "verify_ratio": {k: seconds / target_seconds[1] for k, seconds in target_seconds.items()}}
     if batch_sizes:
         result["batch_seconds"] = {}
         for batch in sorted(set(batch_sizes)):
             progress(f"batches of {batch} sequences")
-            result["batch_seconds"][batch] = batch_forward_seconds(model, prompt_ids, batch, sorted(set(sizes) | {1}), repeats)
+            result["batch_seconds"][batch] = batch_forward_seconds(model, prompt_ids, batch, block_sizes, repeats)
     if draft_model is not None:
         progress("draft forward over 1 token")
         result["draft_seconds"] = forward_seconds(draft_model, prompt_ids, 1, repeats)

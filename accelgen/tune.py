@@ -1,4 +1,5 @@
-"""`accelgen tune self-speculative`: choose the layers the target skips when drafting for itself.
+"""`accelgen tune`: choose, by measurement on this machine, the layers `self-speculative` skips when the target
+drafts for itself (below), and the method `auto` delegates to (`tune_auto`).
 
 Draft & Verify (Zhang et al. 2024) picks the skip set by Bayesian optimisation: each trial generates from a
 few calibration prompts with one skip set (attention and MLP of every layer chosen separately) and
@@ -13,8 +14,9 @@ import json
 import time
 from typing import Callable
 
-from accelgen.drafters.self_speculative import default_skip, tuned_skip_path
+from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
 from accelgen.generate import generate
+from accelgen.models.loading import beside_weights
 
 
 def seconds_per_token(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **method) -> tuple[float, float]:
@@ -106,8 +108,6 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
 
 def save_tuned_skip(model, result: dict):
     """Write the result beside the model's weights; returns the path."""
-    path = tuned_skip_path(model)
-    if path is None:
-        raise ValueError("this model was not loaded from a folder, so there is nowhere beside it to save the skip set")
+    path = beside_weights(model, SKIP_FILE, saving="the skip set")
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path

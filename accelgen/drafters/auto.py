@@ -45,9 +45,7 @@ def load_choice(model, draft_model, workload: str) -> dict | None:
 
 
 def save_choice(model, draft_model, workload: str, result: dict) -> Path:
-    path = beside_weights(model, AUTO_FILE)
-    if path is None:
-        raise ValueError("this model was not loaded from a folder, so there is nowhere beside it to save the choice")
+    path = beside_weights(model, AUTO_FILE, saving="the choice")
     saved = json.loads(path.read_text()) if path.exists() else {}
     entries = saved.setdefault(draft_key(draft_model), {})
     entries[workload] = result

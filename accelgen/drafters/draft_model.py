@@ -67,8 +67,7 @@ class DraftModelDrafter:
             return Draft.empty()
         started = time.perf_counter()
         context_ids = context.tolist()
-        shared = roll_back(self.runner, self.cached_tokens, context_ids)
-        logits = yield self.runner, torch.tensor(context_ids[shared:])
+        logits = yield from catch_up_steps(self.runner, self.cached_tokens, context_ids)
         self.cached_tokens = context_ids
         tokens, probs = [], []
         for step in range(gamma):
@@ -151,8 +150,13 @@ def _fade(average: float | None, value: float) -> float:
 def catch_up(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> torch.Tensor:
     """Roll a draft cache holding cached_tokens back to what it shares with context and feed the rest;
     returns the (vocab,) logits after context. At least the last token is always fed, to get its logits."""
+    return forward_alone(catch_up_steps(runner, cached_tokens, context))
+
+
+def catch_up_steps(runner: ModelRunner, cached_tokens: list[int], context: list[int]):
+    """catch_up as a generator of its one forward (see DraftModelDrafter.draft_steps)."""
     shared = roll_back(runner, cached_tokens, context)
-    return runner.forward(torch.tensor(context[shared:]), logits_for_last=1)[-1]
+    return (yield runner, torch.tensor(context[shared:]))
 
 
 def roll_back(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> int:

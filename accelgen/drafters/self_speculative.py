@@ -13,7 +13,6 @@ second half, a common starting point (a skip set changes speed only, never the o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from accelgen.drafters.draft_model import DraftModelDrafter
 from accelgen.models.layer_skip import LayerSkipRunner
@@ -29,11 +28,6 @@ def default_skip(layer_count: int) -> dict[str, list[int]]:
     return {"skip_attention": layers, "skip_mlp": layers}
 
 
-def tuned_skip_path(model) -> Path | None:
-    """Where `accelgen tune` keeps a model's skip set: beside its weights (None for a model not loaded from disk)."""
-    return beside_weights(model, SKIP_FILE)
-
-
 def resolve_skip(model, skip) -> dict[str, list[int]]:
     """skip: "tuned" (saved by `accelgen tune`, else the default), "default", or {"skip_attention", "skip_mlp"}."""
     if isinstance(skip, dict):
@@ -42,7 +36,7 @@ def resolve_skip(model, skip) -> dict[str, list[int]]:
             raise ValueError(f"self-speculative: skip takes skip_attention and skip_mlp, not {', '.join(unknown)}")
         return {"skip_attention": list(skip.get("skip_attention", [])), "skip_mlp": list(skip.get("skip_mlp", []))}
     if skip == "tuned":
-        path = tuned_skip_path(model)
+        path = beside_weights(model, SKIP_FILE)  # written by `accelgen tune`
         if path is not None and path.exists():
             return resolve_skip(model, json.loads(path.read_text())["skip"])
         skip = "default"

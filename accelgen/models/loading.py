@@ -43,11 +43,15 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
 
 
-def beside_weights(model, filename: str) -> Path | None:
-    """A file in the folder the model was loaded from (where tuning results are kept); None for a model
-    not loaded from a folder."""
+def beside_weights(model, filename: str, saving: str | None = None) -> Path | None:
+    """A file in the folder the model was loaded from (where tuning results are kept). For a model not
+    loaded from a folder: None, or, when `saving` names what is to be saved there, a ValueError."""
     folder = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
-    return Path(folder) / filename if folder and Path(folder).is_dir() else None
+    if folder and Path(folder).is_dir():
+        return Path(folder) / filename
+    if saving is not None:
+        raise ValueError(f"this model was not loaded from a folder, so there is nowhere beside it to save {saving}")
+    return None
 
 
 def cached_model_dir(name: str) -> Path:
