@@ -52,6 +52,15 @@ def compact(cache: DynamicCache, keep: torch.Tensor) -> None:
             layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
 
 
+def gather(cache: DynamicCache, positions: list[torch.Tensor], config) -> DynamicCache:
+    """A new cache holding, in each layer i, the positions positions[i] (1-D, increasing) of that layer."""
+    gathered = new_cache(config)
+    for layer, source, keep in zip(gathered.layers, cache.layers, positions):
+        _fill(layer, source.keys.index_select(-2, keep.to(source.keys.device)),
+              source.values.index_select(-2, keep.to(source.values.device)))
+    return gathered
+
+
 def stack_left_padded(caches: list[DynamicCache], lengths: list[int], config) -> DynamicCache:
     """One cache of batch len(caches) holding each (batch-1) cache left-padded with zeros to the longest."""
     batched = new_cache(config)

@@ -189,6 +189,9 @@ class Sequence:
         verify = make_verifier(sampling, **options)
         drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
                                     generator=generator, **options)
+        attach = getattr(drafter, "attach", None)  # drafters that read the target's KV cache (`triforce`)
+        if attach is not None:
+            attach(target)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
         return cls(target, drafter, verify, prompt_ids, output, generator)

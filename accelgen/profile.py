@@ -69,19 +69,20 @@ def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, 
     return result
 
 
-def verify_ratio(measured: dict[int, float], k: int) -> float:
-    """r(k) from the measured sizes, linear between them (beyond the largest: its slope continued)."""
+def interpolate(measured: dict[int, float], x: int) -> float:
+    """A measured quantity at x (e.g. r(k) at k tokens) from its measured points, linear between them (beyond
+    the largest: the last slope continued; below the smallest: that point's value)."""
     sizes = sorted(measured)
-    if k in measured:
-        return measured[k]
-    below = max((size for size in sizes if size < k), default=sizes[0])
-    above = min((size for size in sizes if size > k), default=None)
+    if x in measured:
+        return measured[x]
+    below = max((size for size in sizes if size < x), default=sizes[0])
+    above = min((size for size in sizes if size > x), default=None)
     if above is None:  # extrapolate from the last two sizes
         below, above = sizes[-2] if len(sizes) > 1 else sizes[-1], sizes[-1]
     if above == below:
         return measured[below]
     slope = (measured[above] - measured[below]) / (above - below)
-    return measured[below] + slope * (k - below)
+    return measured[below] + slope * (x - below)
 
 
 def batch_table(result: dict, alpha: float, max_gamma: int = 16) -> list[dict]:
@@ -91,8 +92,8 @@ def batch_table(result: dict, alpha: float, max_gamma: int = 16) -> list[dict]:
     rows = []
     for batch, seconds in result["batch_seconds"].items():
         ratio = {k: t / seconds[1] for k, t in seconds.items()}
-        best = best_gamma(alpha, 0.0, max_gamma, lambda tokens: verify_ratio(ratio, tokens))
-        gain = predicted_speedup(alpha, best, 0.0, verify_ratio(ratio, best + 1))
+        best = best_gamma(alpha, 0.0, max_gamma, lambda tokens: interpolate(ratio, tokens))
+        gain = predicted_speedup(alpha, best, 0.0, interpolate(ratio, best + 1))
         if gain <= 1.0:  # verification is no longer nearly free: do not speculate
             best, gain = 0, 1.0
         rows.append({"batch": batch, "best_gamma": best, "predicted_gain": gain, "token_budget": batch * (best + 1)})
@@ -101,7 +102,7 @@ def batch_table(result: dict, alpha: float, max_gamma: int = 16) -> list[dict]:
 
 def speedup_table(result: dict, alphas, max_gamma: int = 16) -> list[dict]:
     """Per α: the γ with the best predicted speedup E / (γc + r(γ+1)), and that speedup."""
-    cost, ratio = result["cost_ratio"], lambda tokens: verify_ratio(result["verify_ratio"], tokens)
+    cost, ratio = result["cost_ratio"], lambda tokens: interpolate(result["verify_ratio"], tokens)
     rows = []
     for alpha in alphas:
         best = best_gamma(alpha, cost, max_gamma, ratio)

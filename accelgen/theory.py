@@ -7,7 +7,8 @@ r: the time of the target's verification forward over γ + 1 tokens over a one-t
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 
 def expected_tokens_per_forward(alpha: float, gamma: int) -> float:
@@ -33,3 +34,26 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int,
     verify_ratio(k): r for a verification forward over k tokens (default: 1, Leviathan et al.'s assumption)."""
     return max(range(1, max_gamma + 1),
                key=lambda gamma: (predicted_speedup(alpha, gamma, cost_ratio, verify_ratio(gamma + 1)), -gamma))
+
+
+@dataclass
+class AcceptanceEstimate:
+    """α from what the target did with recent drafts: α = (accepted + 1) / (accepted + rejections + 2).
+
+    Each verified step adds its accepted draft tokens, and one rejection if it stopped short of its draft (or
+    had nothing to verify: a drafter that finds no draft gains nothing). That is the maximum-likelihood α of
+    the model above (a run of acceptances ended by the first rejection), with one of each added so that it is
+    never exactly 0 or 1. Old steps fade (DECAY per step), so α follows the text.
+    """
+
+    accepted: float = 0.0
+    rejections: float = 0.0
+    DECAY: ClassVar[float] = 0.9
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.rejections = self.DECAY * self.rejections + (accepted < drafted or drafted == 0)

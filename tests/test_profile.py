@@ -4,16 +4,16 @@ import pytest
 from typer.testing import CliRunner
 
 from accelgen.cli import app
-from accelgen.profile import batch_table, profile, speedup_table, verify_ratio
+from accelgen.profile import batch_table, profile, speedup_table, interpolate
 from accelgen.theory import best_gamma
 
 
-def test_verify_ratio_interpolates_between_measured_sizes():
+def test_interpolate_between_measured_sizes():
     measured = {1: 1.0, 4: 1.3, 8: 2.1}
-    assert verify_ratio(measured, 4) == 1.3
-    assert verify_ratio(measured, 2) == pytest.approx(1.1)
-    assert verify_ratio(measured, 6) == pytest.approx(1.7)
-    assert verify_ratio(measured, 12) == pytest.approx(2.9)  # the last slope continued
+    assert interpolate(measured, 4) == 1.3
+    assert interpolate(measured, 2) == pytest.approx(1.1)
+    assert interpolate(measured, 6) == pytest.approx(1.7)
+    assert interpolate(measured, 12) == pytest.approx(2.9)  # the last slope continued
 
 
 def test_flat_verification_gives_leviathans_gamma_and_costly_verification_a_short_one():

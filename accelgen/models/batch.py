@@ -20,6 +20,9 @@ import torch
 from accelgen import cache as kv
 from accelgen.models.runner import ModelRunner
 
+# forward_together: blocks wider than this and than twice the median width get a forward of their own
+WIDEST_SHARED_BLOCK = 8
+
 
 @torch.inference_mode()
 def batched_forward(runners: list[ModelRunner], blocks: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> list[torch.Tensor]:
@@ -98,10 +101,13 @@ def forward_together(generators: list) -> list:
         advance(index, None)
     while pending:
         groups: dict[object, list[int]] = {}
-        for index, (runner, _) in pending.items():
-            # runners of other kinds (layer skipping) forward alone
-            key = id(runner.model) if type(runner) is ModelRunner else ("alone", index)
-            groups.setdefault(key, []).append(index)
+        widths = sorted(len(token_ids) for _, token_ids in pending.values())
+        shared_width = max(WIDEST_SHARED_BLOCK, 2 * widths[len(widths) // 2])
+        for index, (runner, token_ids) in pending.items():
+            # runners of other kinds (layer skipping) forward alone, and so does a block much wider than most
+            # (a draft model catching up on a whole prompt), which would pad every other row to its width
+            together = type(runner) is ModelRunner and len(token_ids) <= shared_width
+            groups.setdefault(id(runner.model) if together else ("alone", index), []).append(index)
         for indices in groups.values():
             runners = [pending[i][0] for i in indices]
             try:

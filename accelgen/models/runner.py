@@ -21,14 +21,18 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.cache = kv.new_cache(model.config)
+        # positions the cache leaves out: a sparse cache (TriForce's retrieval and StreamingLLM caches) holds
+        # only some of the positions before its newest entries, which still have their true positions
+        self.position_offset = 0
 
     @property
     def length(self) -> int:
-        """Number of positions held in the KV cache."""
-        return kv.cache_length(self.cache)
+        """Number of positions the KV cache covers: those it holds, plus `position_offset` left out."""
+        return self.position_offset + kv.cache_length(self.cache)
 
     def reset(self) -> None:
         self.cache = kv.new_cache(self.config)
+        self.position_offset = 0
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
@@ -46,7 +50,7 @@ class ModelRunner:
             mask = None  # the model builds its own causal mask over cache + new tokens
         else:
             positions = start + tree.sum(dim=-1) - 1  # depth = number of ancestors
-            mask = self._tree_mask(start, tree)
+            mask = self._tree_mask(kv.cache_length(self.cache), tree)
         output = self.model(
             input_ids=token_ids.to(self.device)[None],
             position_ids=positions.to(self.device)[None],
@@ -57,10 +61,10 @@ class ModelRunner:
         )
         return output.logits[0].float()
 
-    def _tree_mask(self, start: int, tree: torch.Tensor) -> torch.Tensor:
-        """(1, 1, m, start + m) additive mask: every new token sees the whole cache, then its tree ancestors."""
+    def _tree_mask(self, cached: int, tree: torch.Tensor) -> torch.Tensor:
+        """(1, 1, m, cached + m) additive mask: every new token sees the whole cache, then its tree ancestors."""
         m = tree.shape[0]
-        allowed = torch.cat([torch.ones(m, start, dtype=torch.bool), tree], dim=1)
+        allowed = torch.cat([torch.ones(m, cached, dtype=torch.bool), tree], dim=1)
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[None, None].to(self.device)
@@ -69,7 +73,9 @@ class ModelRunner:
         """Keep the first `prefix` cached positions, then the rows `rows` (increasing) of the last forward.
 
         rows [0, 1, ..., k-1] is a crop; anything else (an accepted path through a tree) is gathered.
+        prefix counts covered positions (see `length`): the newest entries of a sparse cache are kept by position.
         """
+        prefix -= self.position_offset
         if rows == list(range(len(rows))):
             kv.crop(self.cache, prefix + len(rows))
         else:

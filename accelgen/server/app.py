@@ -122,6 +122,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not engine.ready.is_set():  # still timing forwards for its speculation policy
+            return JSONResponse({"status": "starting"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -191,7 +193,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             raise APIError(400, str(error)) from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        request = Request(sequence, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        request = Request(sequence, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), method)
         try:
             engine.submit(request)
         except RuntimeError as error:
@@ -371,16 +373,21 @@ def prometheus_text(engine: Engine, model_name: str) -> str:
         ("accelgen_generated_tokens_total", "counter", "Tokens generated.", s.new_tokens),
         ("accelgen_draft_tokens_total", "counter", "Draft tokens proposed.", s.draft_tokens),
         ("accelgen_accepted_draft_tokens_total", "counter", "Draft tokens accepted.", s.accepted_tokens),
-        ("accelgen_target_forwards_total", "counter", "Batched target forwards.", s.forwards),
+        ("accelgen_engine_steps_total", "counter",
+         "Engine steps: a batched forward of the decoding sequences, plus one per prompt chunk.", s.forwards),
         ("accelgen_sequence_steps_total", "counter", "Sequence-steps that verified a draft (tau = tokens / these).",
          s.verify_steps),
         ("accelgen_step_seconds_total", "counter", "Seconds spent in engine steps.", round(s.step_seconds, 6)),
+        ("accelgen_draft_cap_total", "counter", "Draft caps summed over batched forwards (uncapped steps count 0).",
+         s.draft_cap_total),
         ("accelgen_tokens_per_verify_step", "gauge", "Mean tokens committed per sequence-step (tau).",
          round(s.new_tokens / s.verify_steps, 4) if s.verify_steps else 0.0),
         ("accelgen_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
          round(s.accepted_tokens / s.draft_tokens, 4) if s.draft_tokens else 0.0),
         ("accelgen_queue_length", "gauge", "Requests waiting for a batch slot.", s.queue_length),
         ("accelgen_batch_size", "gauge", "Sequences in the last batched forward.", s.batch_size),
+        ("accelgen_draft_cap", "gauge", "Most draft tokens per sequence in the last step (-1: no cap).",
+         -1 if s.draft_cap is None else s.draft_cap),
         ("accelgen_step_seconds_mean", "gauge", "Mean seconds per engine step.",
          round(s.step_seconds / s.forwards, 6) if s.forwards else 0.0),
     ]

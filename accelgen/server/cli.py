@@ -32,8 +32,10 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ACCELGEN_API_KEY",
                                           help="Require Authorization: Bearer <key> (or set ACCELGEN_API_KEY)."),
     max_batch: int = typer.Option(8, "--max-batch", help="Sequences per batched forward."),
-    token_budget: int = typer.Option(8, "--token-budget",
-                                     help="Drafts are capped at budget // batch size - 1 tokens (0: no cap)."),
+    token_budget: Optional[int] = typer.Option(
+        None, "--token-budget", help="Cap drafts at budget // batch size - 1 tokens (0: no cap) instead of choosing "
+                                     "each step's draft length by measured goodput."),
+    max_draft: int = typer.Option(8, "--max-draft", help="Longest draft the goodput policy may choose."),
     prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="Prompt tokens fed per step (0: whole prompts)."),
     max_concurrent: int = typer.Option(64, "--max-concurrent", help="Requests waiting or running; more get 429."),
     max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens"),
@@ -55,6 +57,7 @@ def serve(
     from accelgen.cli import load_with_progress
     from accelgen.server.app import ServerConfig, create_app
     from accelgen.server.engine import Engine
+    from accelgen.server.speculation import Goodput, TokenBudget, calibrate
 
     if threads:
         torch.set_num_threads(threads)
@@ -70,7 +73,18 @@ def serve(
         config = ServerConfig(model_name=model, model=target_model, tokenizer=tokenizer, draft_model=draft_model,
                               method=method, methods=options, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
                               max_tokens=max_tokens, max_concurrent=max_concurrent)
-        engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, token_budget=token_budget)
+        if token_budget is not None:
+            speculation = TokenBudget(token_budget)
+        else:
+            def calibration():  # runs on the engine's thread as it starts
+                console.print("timing batched forwards for the speculation policy …")
+                target_costs = calibrate(target_model, max_batch, widths=sorted({1, 2, 3, 5, max_draft + 1}))
+                draft_costs = calibrate(draft_model, max_batch, widths=(1, 2)) if draft_model is not None else None
+                console.print("speculation policy ready")
+                return target_costs, draft_costs
+
+            speculation = Goodput(max_draft=max_draft, calibration=calibration)
+        engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, speculation=speculation)
         server_app = create_app(config, engine)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
         console.print(f"[red]error:[/red] {error}")

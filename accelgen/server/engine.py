@@ -5,12 +5,16 @@ finished or cancelled ones leave it. Each step, every sequence in the batch prop
 batched target forward scores all of them (`models/batch.py`), and each sequence verifies and commits on
 its own: acceptance is ragged, since every sequence keeps its own KV cache.
 
+A batched forward pads every block to the widest, so a prompt chunk in the batch would make every decoding
+sequence pay for its width: b sequences beside a 200-token chunk cost 200 · b token rows. Blocks that carry
+prompt tokens therefore share a forward of their own in the same step, and the decodes share another.
+
 Two policies keep the batch fast and fair:
 - chunked prefill (SARATHI): prompts share a budget of `prefill_chunk` tokens per step, in arrival order, so
-  a long prompt is fed chunk by chunk alongside the decodes instead of stalling them;
-- speculation by batch size (the synergy of speculative decoding and batching): verifying k tokens costs
-  about as much as one only while the whole forward is small, so drafts are capped at
-  `token_budget // batch_size - 1` nodes: long drafts when alone, none when the batch fills the budget.
+  a long prompt is fed chunk by chunk between the decode steps instead of stalling them;
+- speculation by batch size (speculation.py): verifying k tokens costs about as much as one only while the
+  whole forward is small, so a policy caps each step's drafts: by measured goodput (`Goodput`, what
+  `accelgen serve` uses), or by a fixed token budget (`TokenBudget`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Callable
 
 from accelgen.generate import Chunk, GenerationResult, Sequence, Step
 from accelgen.models.batch import batched_forward, forward_together
+from accelgen.server.speculation import Goodput, TokenBudget
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Request:
 
     sequence: Sequence
     emit: Callable[[Chunk | GenerationResult | Exception], None]
+    method: str = ""  # the method's name: the speculation policy pools acceptance per method
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -56,13 +62,8 @@ class EngineStats:
     step_seconds: float = 0.0
     batch_size: int = 0
     queue_length: int = 0
-
-
-def draft_cap(batch_size: int, token_budget: int) -> int | None:
-    """Most draft nodes per sequence when batch_size sequences share a forward; None = no cap (budget 0)."""
-    if token_budget <= 0:
-        return None
-    return max(0, token_budget // batch_size - 1)
+    draft_cap: int | None = None  # the last step's cap on drafts (None: uncapped)
+    draft_cap_total: int = 0  # caps summed over steps, for the mean
 
 
 def _load_malloc_trim():
@@ -81,12 +82,13 @@ TRIM_EVERY_SECONDS = 5.0
 
 
 class Engine:
-    def __init__(self, max_batch: int = 8, prefill_chunk: int = 256, token_budget: int = 8):
-        if max_batch < 1 or prefill_chunk < 0 or token_budget < 0:
-            raise ValueError("max_batch must be >= 1, prefill_chunk and token_budget >= 0")
+    def __init__(self, max_batch: int = 8, prefill_chunk: int = 256, speculation: TokenBudget | Goodput | None = None):
+        """speculation: the policy capping drafts by batch (default: a token budget of 8)."""
+        if max_batch < 1 or prefill_chunk < 0:
+            raise ValueError("max_batch must be >= 1, prefill_chunk >= 0")
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.token_budget = token_budget
+        self.speculation = speculation or TokenBudget(8)
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -97,6 +99,7 @@ class Engine:
         # target forward), so that requests can be prepared on other threads while a step runs
         self.lock = threading.Lock()
         self._trimmed_at = 0.0
+        self.ready = threading.Event()  # set once the engine thread has prepared its speculation policy
 
     # --- called from any thread ---
 
@@ -135,6 +138,8 @@ class Engine:
     # --- the engine thread ---
 
     def _loop(self) -> None:
+        self.speculation.prepare()  # model work of the engine belongs on this thread (see Goodput.prepare)
+        self.ready.set()
         while True:
             with self._wake:
                 while not self._waiting and not self._running and not self._stopping:
@@ -149,25 +154,42 @@ class Engine:
                         self._leave(request, error)
 
     def step(self) -> None:
-        """One scheduling step: admit, drop cancelled, plan, one batched forward, commit. (Tests call it directly.)"""
+        """One scheduling step: admit, drop cancelled, plan, forward (the decodes batched, the prompt chunks
+        batched apart), commit. (Tests call it directly.)"""
         started = time.perf_counter()
         with self.lock:
-            planned = self._plan()
+            planned, cap = self._plan()
         if not planned:
             return
-        try:
-            all_logits = batched_forward([r.sequence.target for r, _ in planned],
-                                         [(step.input_ids, step.tree, step.logits_for_last) for _, step in planned])
-        except Exception as error:
-            all_logits = [error] * len(planned)
+        # a block with prompt tokens would pad every decode to its width: prompt chunks share a forward apart
+        decoding = [pair for pair in planned if pair[0].sequence.uncached == 1]
+        prompts = [pair for pair in planned if pair[0].sequence.uncached > 1]
+        logits = {}
+        for group in [group for group in (decoding, prompts) if group]:
+            for (request, _), rows in zip(group, self._forward(group)):
+                logits[id(request)] = rows
         with self.lock:
-            for (request, step), target_logits in zip(planned, all_logits):
-                self._commit(request, step, target_logits)
+            for request, step in planned:
+                self._commit(request, step, logits[id(request)], cap)
         self.stats.forwards += 1
         self.stats.batch_size = len(planned)
         self.stats.step_seconds += time.perf_counter() - started
 
-    def _plan(self) -> list[tuple[Request, Step]]:
+    def _forward(self, group: list[tuple[Request, Step]]) -> list:
+        """One batched target forward over these requests' steps: each one's logits, or the exception for all."""
+        started = time.perf_counter()
+        try:
+            logits = batched_forward([request.sequence.target for request, _ in group],
+                                     [(step.input_ids, step.tree, step.logits_for_last) for _, step in group])
+        except Exception as error:
+            return [error] * len(group)
+        widest = max(len(step.input_ids) for _, step in group)  # every block is padded to the widest
+        self.speculation.measured(target_batch=len(group), target_width=widest,
+                                  target_seconds=time.perf_counter() - started)
+        return logits
+
+    def _plan(self) -> tuple[list[tuple[Request, Step]], int | None]:
+        """This step's (request, step) pairs, and the cap on their drafts."""
         with self._wake:
             while self._waiting and len(self._running) < self.max_batch:
                 self._running.append(self._waiting.popleft())
@@ -187,18 +209,28 @@ class Engine:
                 prefill_limits[id(request)] = budget
                 budget -= min(budget, request.sequence.uncached)
             active.append(request)
-        cap = draft_cap(len(active), self.token_budget) if active else None
+        if not active:
+            return [], None
+        cap = self.speculation.draft_length([r for r in active if r.sequence.uncached == 1])
+        self.stats.draft_cap = cap
+        self.stats.draft_cap_total += cap or 0
         # draft models run for the whole batch in lockstep, one batched forward per draft step
+        drafting_started = time.perf_counter()
         steps = forward_together([r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active])
+        drafted_with_model = [len(step.draft) for r, step in zip(active, steps)
+                              if isinstance(step, Step) and step.draft and hasattr(r.sequence.drafter, "draft_steps")]
+        if drafted_with_model:
+            self.speculation.measured(draft_batch=len(drafted_with_model), draft_rounds=max(drafted_with_model),
+                                      draft_seconds=time.perf_counter() - drafting_started)
         planned = []
         for request, step in zip(active, steps):
             if isinstance(step, Exception):  # a drafter failing hurts its own request only
                 self._leave(request, step)
             else:
                 planned.append((request, step))
-        return planned
+        return planned, cap
 
-    def _commit(self, request: Request, step: Step, target_logits) -> None:
+    def _commit(self, request: Request, step: Step, target_logits, cap: int | None) -> None:
         try:
             if isinstance(target_logits, Exception):
                 raise target_logits
@@ -207,6 +239,8 @@ class Engine:
             self._leave(request, error)
             return
         if not step.prefill_only:
+            if cap != 0:  # a sequence given no room to draft says nothing about its drafts
+                self.speculation.verified(request, len(step.draft), request.sequence.stats.accepted_per_step[-1])
             self.stats.verify_steps += 1
             self.stats.draft_tokens += len(step.draft)
             self.stats.accepted_tokens += request.sequence.stats.accepted_per_step[-1]
@@ -220,6 +254,7 @@ class Engine:
     def _leave(self, request: Request, error: Exception | None = None) -> None:
         """Take a request out of the batch, free its state and send its result (or error)."""
         self._running.remove(request)
+        self.speculation.left(request)
         if _MALLOC_TRIM is not None and time.monotonic() - self._trimmed_at > TRIM_EVERY_SECONDS:
             self._trimmed_at = time.monotonic()
             _MALLOC_TRIM(0)

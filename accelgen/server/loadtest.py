@@ -132,8 +132,8 @@ def summarize(outcomes: list[Outcome], samples: list[dict], methods: list[str]) 
         seconds = sum(s["seconds"] for s in phases)
         delta = {key: sum(s["after"].get(key, 0) - s["before"].get(key, 0) for s in phases)
                  for key in ("accelgen_generated_tokens_total", "accelgen_draft_tokens_total",
-                             "accelgen_accepted_draft_tokens_total", "accelgen_target_forwards_total",
-                             "accelgen_sequence_steps_total")}
+                             "accelgen_accepted_draft_tokens_total", "accelgen_engine_steps_total",
+                             "accelgen_sequence_steps_total", "accelgen_draft_cap_total")}
         latencies = np.array([o.seconds for o in ok]) if ok else np.zeros(1)
         first = np.array([o.first_token_seconds for o in ok if o.first_token_seconds is not None]) if ok else np.zeros(1)
         summary[method] = {
@@ -149,8 +149,10 @@ def summarize(outcomes: list[Outcome], samples: list[dict], methods: list[str]) 
                                 if delta["accelgen_draft_tokens_total"] else 0.0),
             "tau": (delta["accelgen_generated_tokens_total"] / delta["accelgen_sequence_steps_total"]
                     if delta["accelgen_sequence_steps_total"] else 0.0),
-            "mean_batch_size": (delta["accelgen_sequence_steps_total"] / delta["accelgen_target_forwards_total"]
-                                if delta["accelgen_target_forwards_total"] else 0.0),
+            "mean_batch_size": (delta["accelgen_sequence_steps_total"] / delta["accelgen_engine_steps_total"]
+                                if delta["accelgen_engine_steps_total"] else 0.0),
+            "mean_draft_cap": (delta["accelgen_draft_cap_total"] / delta["accelgen_engine_steps_total"]
+                               if delta["accelgen_engine_steps_total"] else 0.0),
         }
     return summary
 
@@ -168,8 +170,8 @@ def report_markdown(summary: dict, config: dict) -> str:
     rows = [f"# Load test: {config['clients']} streaming clients, {config['duration']:.0f} s, "
             f"{config['rounds']} rounds over {', '.join(config['methods'])}", "",
             f"Server: `{config.get('server', '?')}`; prompts: {config['dataset']}, max_tokens {config['max_tokens']}.", "",
-            "| method | requests | errors | tokens/s | vs first | latency p50 / p99 (s) | first token p50 / p99 (s) | τ | acceptance | mean batch |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| method | requests | errors | tokens/s | vs first | latency p50 / p99 (s) | first token p50 / p99 (s) | τ | acceptance | mean batch | mean draft cap |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     methods = [m for m in config["methods"] if m in summary]
     base = summary[methods[0]]["tokens_per_second"] or 1.0
     for method in methods:
@@ -177,7 +179,7 @@ def report_markdown(summary: dict, config: dict) -> str:
         first = (f"{s['first_token_p50']:.2f} / {s['first_token_p99']:.2f}" if s["first_token_p50"] is not None else "-")
         rows.append(f"| {method} | {s['requests']} | {s['errors']} | {s['tokens_per_second']:.1f} | "
                     f"{s['tokens_per_second'] / base:.2f}× | {s['latency_p50']:.2f} / {s['latency_p99']:.2f} | {first} | "
-                    f"{s['tau']:.2f} | {s['acceptance_rate']:.2f} | {s['mean_batch_size']:.1f} |")
+                    f"{s['tau']:.2f} | {s['acceptance_rate']:.2f} | {s['mean_batch_size']:.1f} | {s.get('mean_draft_cap', 0.0):.1f} |")
     if "memory_mib" in summary:
         m = summary["memory_mib"]
         rows += ["", f"Server resident memory ({m['samples']} samples): {m['first']:.0f} MiB at the start, "

@@ -128,6 +128,14 @@ def test_packaged_humaneval_and_sharegpt():
     assert load_dataset("sharegpt", limit=3) == sharegpt
 
 
+def test_humaneval_long_puts_solved_tasks_before_each_prompt():
+    long = load_dataset("humaneval-long", limit=2)
+    short = load_dataset("humaneval", limit=3)
+    assert [p.id for p in long] == ["HumanEval/0/long", "HumanEval/1/long"] and not long[0].chat
+    assert long[0].text.endswith("\n\n" + short[0].text) and long[0].text.startswith(short[1].text)
+    assert len(long[0].text) > datasets.HUMANEVAL_LONG_CHARS
+
+
 def test_prompt_token_ids_chat_and_raw(tokenizer):
     chat = Prompt("1", "c", "What is 2+2?", chat=True)
     text = tokenizer.decode(prompt_token_ids(tokenizer, chat))

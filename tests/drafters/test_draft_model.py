@@ -28,9 +28,9 @@ def test_cost_schedule_picks_the_gamma_the_theory_predicts_best():
     costs = CostEstimate()
     assert costs.best_gamma(5, 16) == 5  # nothing measured yet: keep the starting gamma
     costs.draft_seconds, costs.target_seconds = 0.01, 0.2  # c = 0.05
-    costs.accepted, costs.rejections = 38, 9  # α = 39 / 49 ≈ 0.8 (Laplace)
+    costs.acceptance.accepted, costs.acceptance.rejections = 38, 9  # α = 39 / 49 ≈ 0.8 (Laplace)
     assert costs.best_gamma(5, 16) == 8  # see tests/test_theory.py
-    costs.accepted, costs.rejections = 0, 20
+    costs.acceptance.accepted, costs.acceptance.rejections = 0, 20
     assert costs.best_gamma(5, 16) == 1
 
 
@@ -42,7 +42,7 @@ def test_cost_schedule_measures_as_it_goes(tiny_target, tiny_draft):
         drafter.update(draft, Verdict([], 7), None)  # every draft rejected
         context = torch.cat([context, torch.tensor([7])])
     assert drafter.costs.draft_seconds > 0 and drafter.costs.target_seconds > 0
-    assert drafter.costs.rejections > 2 and drafter.gamma == 1
+    assert drafter.costs.acceptance.rejections > 2 and drafter.gamma == 1
 
 
 def test_draft_cache_forgets_rejected_tokens(tiny_target, tiny_draft):

@@ -70,7 +70,8 @@ def test_stack_and_split_round_trip(tiny_target):
     torch.testing.assert_close(row.layers[1].keys, runners[1].cache.layers[1].keys)
 
 
-def test_forward_together_equals_forward_alone(make_tiny_model):
+def test_forward_together_equals_forward_alone(make_tiny_model, monkeypatch):
+    from accelgen.models import batch
     from accelgen.models.batch import forward_alone, forward_together
 
     model, other = make_tiny_model("qwen2"), make_tiny_model("llama", seed=3)
@@ -87,8 +88,14 @@ def test_forward_together_equals_forward_alone(make_tiny_model):
         yield runner, torch.tensor([1, 2])
         raise RuntimeError("drafter broke")
 
-    jobs = [(model, [5, 6, 7], 4), (model, [9], 1), (other, [3, 4], 3), (model, [11, 12, 13, 14], 0)]
+    wide = list(range(20, 21 + batch.WIDEST_SHARED_BLOCK))  # a prompt to catch up on, wider than most: alone
+    jobs = [(model, [5, 6, 7], 4), (model, [9], 1), (other, [3, 4], 3), (model, [11, 12, 13, 14], 0), (model, wide, 2)]
     alone = [forward_alone(greedy_steps(ModelRunner(m), p, n)) for m, p, n in jobs]
+    widths = []
+    real_batched_forward = batch.batched_forward
+    monkeypatch.setattr(batch, "batched_forward", lambda runners, blocks: widths.append([len(b[0]) for b in blocks])
+                        or real_batched_forward(runners, blocks))
     together = forward_together([greedy_steps(ModelRunner(m), p, n) for m, p, n in jobs] + [broken(ModelRunner(model))])
-    assert together[:4] == alone and [len(tokens) for tokens in alone] == [4, 1, 3, 0]
-    assert isinstance(together[4], RuntimeError)
+    assert together[:5] == alone and [len(tokens) for tokens in alone] == [4, 1, 3, 0, 2]
+    assert isinstance(together[5], RuntimeError)
+    assert [len(wide)] in widths and all(len(w) == 1 for w in widths if len(wide) in w)  # never padded into a batch

@@ -5,7 +5,8 @@ import pytest
 import accelgen
 from accelgen.generate import Chunk, GenerationResult, Sequence
 from accelgen.server import engine as engine_module
-from accelgen.server.engine import Engine, Request, draft_cap
+from accelgen.server.engine import Engine, Request
+from accelgen.server.speculation import ForwardCosts, Goodput, TokenBudget
 
 PROMPTS = [
     [5, 17, 923, 4410, 77, 12],
@@ -54,13 +55,37 @@ REQUESTS = [  # (method, options) per prompt: chains, a tree, model-free and mod
 ]
 
 
-@pytest.mark.parametrize("prefill_chunk,token_budget", [(0, 0), (16, 0), (16, 12)])
-def test_batched_requests_match_each_request_alone(tiny_target, tokenizer, prefill_chunk, token_budget, monkeypatch):
-    batch_sizes = []
+class FixedCosts(ForwardCosts):
+    def observe(self, batch, width, seconds):
+        pass  # what this machine measures must not change what the test expects
+
+
+def flat_costs() -> ForwardCosts:
+    return FixedCosts({1: {1: 0.01, 64: 0.01}})  # verification free at any width: draft as much as allowed
+
+
+def free_drafts() -> ForwardCosts:
+    return FixedCosts({1: {1: 0.0}})
+
+
+def steep_costs() -> ForwardCosts:
+    return FixedCosts({1: {1: 0.01, 2: 0.02}})  # every token costs a forward: drafting never pays
+
+
+@pytest.mark.parametrize("prefill_chunk,speculation", [
+    (0, TokenBudget(0)), (16, TokenBudget(0)), (16, TokenBudget(12)),
+    (16, Goodput(flat_costs(), free_drafts(), max_draft=6)),
+    (16, Goodput(steep_costs(), free_drafts(), max_draft=6)),
+], ids=["whole-prompts", "chunked", "budget-12", "goodput-flat", "goodput-steep"])
+def test_batched_requests_match_each_request_alone(tiny_target, tokenizer, prefill_chunk, speculation, monkeypatch):
+    batch_sizes, caps = [], []
     real_forward = engine_module.batched_forward
     monkeypatch.setattr(engine_module, "batched_forward",
                         lambda runners, blocks: batch_sizes.append(len(runners)) or real_forward(runners, blocks))
-    engine = Engine(max_batch=3, prefill_chunk=prefill_chunk, token_budget=token_budget)
+    real_draft_length = speculation.draft_length
+    monkeypatch.setattr(speculation, "draft_length",
+                        lambda decoding: caps.append((len(decoding), real_draft_length(decoding))) or caps[-1][1])
+    engine = Engine(max_batch=3, prefill_chunk=prefill_chunk, speculation=speculation)
     submitted = []
     for prompt, (method, options) in zip(PROMPTS, REQUESTS):
         kwargs = dict(method=method, draft_model=tiny_target, max_new_tokens=24, **options)
@@ -73,15 +98,21 @@ def test_batched_requests_match_each_request_alone(tiny_target, tokenizer, prefi
         assert [t for chunk in collector.chunks for t in chunk.token_ids] == alone.token_ids
         assert "".join(chunk.text for chunk in collector.chunks) == alone.text
     assert engine.stats.finished == len(PROMPTS) and max(batch_sizes) == 3  # the fourth joined when one left
+    decoding_caps = [cap for decoding, cap in caps if decoding]
     speculative = submitted[0][2].result.stats
-    if token_budget:  # 12 // 3 - 1 = 3 draft tokens while three share the batch
-        assert speculative["mean_accepted_tokens"] <= 4
-    else:
-        assert speculative["mean_accepted_tokens"] > 4
+    if isinstance(speculation, TokenBudget):
+        expected = [speculation.budget // decoding - 1 if speculation.budget else None for decoding, _ in caps if decoding]
+        assert decoding_caps == expected
+        if not speculation.budget:
+            assert speculative["mean_accepted_tokens"] > 4
+    elif speculation.target(1, 2) > speculation.target(1, 1):  # drafting never pays: no drafts but the probes
+        assert set(decoding_caps) <= {0, 1} and speculative["mean_accepted_tokens"] < 1.5
+    else:  # free verification: the longest drafts allowed
+        assert set(decoding_caps) == {6} and speculative["mean_accepted_tokens"] >= 4  # gamma 4: 5 tokens a step
 
 
 def test_random_draft_rejected_in_a_batch_is_still_lossless(tiny_target, tiny_draft, tokenizer):
-    engine = Engine(max_batch=4, token_budget=0)
+    engine = Engine(max_batch=4, speculation=TokenBudget(0))
     expected, collectors = [], []
     for prompt in PROMPTS:
         kwargs = dict(method="speculative", draft_model=tiny_draft, max_new_tokens=16)
@@ -131,11 +162,6 @@ def test_a_failing_drafter_fails_its_own_request_only(tiny_target, tokenizer):
     run_until_idle(engine)
     assert isinstance(bad.error, RuntimeError) and bad.result is None
     assert good.result.finish_reason == "length" and engine.stats.failed == 1
-
-
-def test_draft_cap_falls_with_batch_size():
-    assert [draft_cap(b, 16) for b in (1, 2, 4, 8, 16, 32)] == [15, 7, 3, 1, 0, 0]
-    assert draft_cap(8, 0) is None
 
 
 def test_engine_thread_serves_and_stops(tiny_target, tokenizer):

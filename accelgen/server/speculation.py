@@ -1,0 +1,178 @@
+"""How many draft tokens the sequences of a batch get each step.
+
+Verifying k tokens costs about as much as verifying one only while a forward is bound by reading the
+weights; a growing batch ends that (the synergy of speculative decoding and batching, Su et al. 2023,
+arXiv:2310.18813). Two policies:
+
+- `TokenBudget(n)`: a fixed rule, drafts of at most n // b − 1 tokens for b sequences.
+- `Goodput` (the default of `accelgen serve`): each step, the draft length g with the most expected tokens per
+  second, from costs and acceptance measured while serving (as SmartSpec, Liu et al. 2024, arXiv:2406.14066):
+
+      goodput(g) = Σ_i E(α_i, g) / (t_target(b, g + 1) + g · t_draft(d))
+
+  over the b decoding sequences (prompt chunks have forwards of their own, see engine.py). E(α, g) =
+  (1 − α^(g+1)) / (1 − α) is the expected tokens a sequence commits per step (Leviathan et al.), with α_i
+  from that sequence's own verdicts, starting from its method's recent acceptance. A batched forward pads
+  every block to the widest, so b sequences drafting g tokens cost t_target(b, g + 1), the target's forward
+  of b blocks of g + 1 tokens; t_draft(d) is one lockstep round of the d sequences that draft with a model
+  (model-free drafters cost nothing). Both start from a short calibration of batched forwards (`calibrate`)
+  and follow what each step measures.
+
+  g = 0 is plain batched decoding. While g stays 0, every PROBE_EVERY-th step drafts one token anyway, so
+  that the acceptance estimates do not go stale.
+
+Either way the cap only shortens drafts, so outputs are unchanged: each request still gets exactly the
+tokens it would get alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from accelgen.profile import batch_forward_seconds, interpolate
+from accelgen.theory import AcceptanceEstimate, expected_tokens_per_forward
+
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)
+CALIBRATION_WIDTHS = (1, 2, 3, 5)
+
+
+class ForwardCosts:
+    """Seconds of one batched forward of b sequences whose blocks are padded to w tokens, per batch size and
+    width: measured for a few batch sizes at start-up (`calibrate`), faded towards every measured forward of
+    those batch sizes (DECAY per measurement), linear in between."""
+
+    DECAY = 0.8
+
+    def __init__(self, seconds: dict[int, dict[int, float]]):
+        """seconds: batch size -> block width -> seconds."""
+        if not seconds or not all(seconds.values()):
+            raise ValueError("ForwardCosts needs at least one measured forward per batch size")
+        self.seconds = {batch: dict(widths) for batch, widths in seconds.items()}
+
+    def __call__(self, batch: int, width: int) -> float:
+        return interpolate({size: interpolate(widths, width) for size, widths in self.seconds.items()}, batch)
+
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        widths = self.seconds.get(batch)
+        if widths is None:
+            return  # other batch sizes are read between the measured ones
+        known = widths.get(width)
+        widths[width] = seconds if known is None else self.DECAY * known + (1 - self.DECAY) * seconds
+
+
+def calibrate(model, max_batch: int, widths=CALIBRATION_WIDTHS, context_tokens: int = 128,
+              repeats: int = 2) -> ForwardCosts:
+    """Time batched forwards (blocks of each width after context_tokens cached) for batch sizes 1, 2, 4, …
+    up to max_batch, and max_batch itself."""
+    prompt_ids = [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
+    batches = sorted({size for size in CALIBRATION_BATCHES if size <= max_batch} | {max_batch})
+    return ForwardCosts({batch: batch_forward_seconds(model, prompt_ids, batch, widths, repeats) for batch in batches})
+
+
+def best_draft_length(alphas: list[float], drafting_with_model: int, target: Callable[[int, int], float],
+                      draft: Callable[[int, int], float] | None, max_draft: int) -> int:
+    """The common draft length g in 0..max_draft with the most expected tokens per second (the shortest on ties).
+
+    alphas: the acceptance of each decoding sequence, all in one batched forward, which costs target(batch, width);
+    drafting_with_model: those whose drafts take draft-model forwards, each round costing draft(that many, 1).
+    """
+    def goodput(g: int) -> float:
+        seconds = target(len(alphas), g + 1)
+        if g and drafting_with_model and draft is not None:
+            seconds += g * draft(drafting_with_model, 1)
+        return sum(expected_tokens_per_forward(alpha, g) for alpha in alphas) / seconds
+
+    return max(range(max_draft + 1), key=lambda g: (goodput(g), -g))
+
+
+class TokenBudget:
+    """Drafts of at most budget // b − 1 tokens for b sequences; budget 0: no cap."""
+
+    def __init__(self, budget: int):
+        if budget < 0:
+            raise ValueError(f"token budget must be >= 0, got {budget}")
+        self.budget = budget
+
+    def draft_length(self, decoding: list) -> int | None:
+        return max(0, self.budget // max(len(decoding), 1) - 1) if self.budget else None
+
+    def prepare(self) -> None:
+        pass
+
+    def measured(self, **_measurements) -> None:
+        pass
+
+    def verified(self, request, drafted: int, accepted: int) -> None:
+        pass
+
+    def left(self, request) -> None:
+        pass
+
+
+class Goodput:
+    """The draft length with the most expected tokens per second, from measured costs and acceptance (above)."""
+
+    PROBE_EVERY = 16
+
+    def __init__(self, target: ForwardCosts | None = None, draft: ForwardCosts | None = None, max_draft: int = 8,
+                 calibration: Callable[[], tuple[ForwardCosts, ForwardCosts | None]] | None = None):
+        """target, draft: the costs; or calibration, which measures them (target, draft) in `prepare`."""
+        if max_draft < 0:
+            raise ValueError(f"max_draft must be >= 0, got {max_draft}")
+        if target is None and calibration is None:
+            raise ValueError("Goodput needs the target's forward costs, or a calibration that measures them")
+        self.target = target
+        self.draft = draft
+        self.max_draft = max_draft
+        self.calibration = calibration
+        self.by_request: dict[int, AcceptanceEstimate] = {}  # id(request) -> its estimate
+        self.by_method: dict[str, AcceptanceEstimate] = {}  # method -> estimate over its recent requests
+        self._idle_steps = 0
+        self._lengths = (0, 0)  # the draft lengths of the step before and of this one
+
+    def prepare(self) -> None:
+        """Measure the costs, on the engine's thread before its first step: PyTorch's CPU worker threads belong to
+        the thread that runs a forward, and a server whose model first ran on another thread (the main one,
+        say) decodes about half as fast (measured: 24 against 50 tokens/s on SmolLM2)."""
+        if self.calibration is not None:
+            self.target, self.draft = self.calibration()
+            self.calibration = None
+
+    def acceptance(self, request) -> AcceptanceEstimate:
+        estimate = self.by_request.get(id(request))
+        if estimate is None:  # a new request starts from what its method achieved lately
+            method = self.by_method.get(request.method, AcceptanceEstimate())
+            estimate = self.by_request[id(request)] = AcceptanceEstimate(method.accepted, method.rejections)
+        return estimate
+
+    def draft_length(self, decoding: list) -> int:
+        """decoding: the requests past their prompt, which share one batched forward this step."""
+        if not decoding:
+            return 0
+        drafting_with_model = sum(hasattr(request.sequence.drafter, "draft_steps") for request in decoding)
+        length = best_draft_length([self.acceptance(request).alpha for request in decoding], drafting_with_model,
+                                   self.target, self.draft, self.max_draft)
+        self._idle_steps = self._idle_steps + 1 if length == 0 else 0
+        if self._idle_steps >= self.PROBE_EVERY:  # keep the acceptance estimates fresh
+            self._idle_steps = 0
+            length = min(1, self.max_draft)
+        self._lengths = (self._lengths[1], length)
+        return length
+
+    def measured(self, *, target_batch: int = 0, target_width: int = 0, target_seconds: float = 0.0,
+                 draft_batch: int = 0, draft_rounds: int = 0, draft_seconds: float = 0.0) -> None:
+        """A target forward (its sequences and widest block) or a step's draft rounds, as timed."""
+        if target_batch:
+            self.target.observe(target_batch, target_width, target_seconds)
+        # after a step without drafts the draft model first catches up on several tokens: not a typical round
+        if draft_batch and draft_rounds and self._lengths[0]:
+            if self.draft is None:  # drafting with a model nobody calibrated (the target skipping layers)
+                self.draft = ForwardCosts({draft_batch: {1: draft_seconds / draft_rounds}})
+            self.draft.observe(draft_batch, 1, draft_seconds / draft_rounds)
+
+    def verified(self, request, drafted: int, accepted: int) -> None:
+        self.acceptance(request).observe(drafted, accepted)
+        self.by_method.setdefault(request.method, AcceptanceEstimate()).observe(drafted, accepted)
+
+    def left(self, request) -> None:
+        self.by_request.pop(id(request), None)
