@@ -201,6 +201,11 @@ class Sequence:
         return self.output.done
 
     @property
+    def drafts_with_a_model(self) -> bool:
+        """Whether its drafts take model forwards that a server can batch (drafters offering `draft_steps`)."""
+        return hasattr(self.drafter, "draft_steps")
+
+    @property
     def uncached(self) -> int:
         """Committed tokens missing from the KV cache: the root, and before the first step the whole prompt."""
         return len(self.context) - self.target.length

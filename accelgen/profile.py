@@ -21,6 +21,11 @@ from accelgen.theory import best_gamma, predicted_speedup
 SIZES = (1, 2, 4, 8, 16, 32)
 
 
+def timing_prompt(model, context_tokens: int) -> list[int]:
+    """Token ids to time forwards after (their values do not change the cost)."""
+    return [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
+
+
 def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: int = 5) -> float:
     """Median time of one forward over `new_tokens` tokens after a KV cache of prompt_ids (the first is warm-up)."""
     return batch_forward_seconds(model, prompt_ids, 1, [new_tokens], repeats)[new_tokens]
@@ -51,7 +56,7 @@ def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, 
             progress: Callable[[str], None] = lambda message: None) -> dict:
     """Target forward time per block size k and r(k) = t(k) / t(1); with a draft model, its time and c;
     with batch_sizes, t(b, k) for b sequences of k tokens each (the server's batched verification)."""
-    prompt_ids = [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
+    prompt_ids = timing_prompt(model, context_tokens)
     block_sizes = sorted(set(sizes) | {1})
     progress("target forwards")
     target_seconds = batch_forward_seconds(model, prompt_ids, 1, block_sizes, repeats)

@@ -158,11 +158,17 @@ def catch_up_steps(runner: ModelRunner, cached_tokens: list[int], context: list[
 
 def roll_back(runner: ModelRunner, cached_tokens: list[int], context: list[int]) -> int:
     """Keep the longest cached prefix shared with context, short of its last token; returns its length."""
+    shared = shared_prefix(cached_tokens, context)
+    runner.keep(shared, [])
+    return shared
+
+
+def shared_prefix(cached_tokens: list[int], context: list[int]) -> int:
+    """Length of the longest prefix of cached_tokens that context shares, short of context's last token."""
     shared = 0
     limit = min(len(cached_tokens), len(context) - 1)
     while shared < limit and cached_tokens[shared] == context[shared]:
         shared += 1
-    runner.keep(shared, [])
     return shared
 
 

@@ -33,7 +33,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.draft import Draft
-from accelgen.drafters.draft_model import catch_up, check_vocabularies
+from accelgen.drafters.draft_model import catch_up, check_vocabularies, shared_prefix
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
@@ -76,8 +76,7 @@ class StreamingProposer:
     def propose(self, sequence: list[int], length: int) -> list[int]:
         if length <= 0:
             return []
-        shared = next((i for i, (a, b) in enumerate(zip(self.cached_tokens, sequence[:-1])) if a != b),
-                      min(len(self.cached_tokens), len(sequence) - 1))
+        shared = shared_prefix(self.cached_tokens, sequence)
         if self.runner.position_offset and shared < self.sink + self.runner.position_offset:
             self.runner.reset()  # the sequence parts from what the cache holds inside the evicted positions
             self.cached_tokens = []

@@ -218,7 +218,7 @@ class Engine:
         drafting_started = time.perf_counter()
         steps = forward_together([r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active])
         drafted_with_model = [len(step.draft) for r, step in zip(active, steps)
-                              if isinstance(step, Step) and step.draft and hasattr(r.sequence.drafter, "draft_steps")]
+                              if isinstance(step, Step) and step.draft and r.sequence.drafts_with_a_model]
         if drafted_with_model:
             self.speculation.measured(draft_batch=len(drafted_with_model), draft_rounds=max(drafted_with_model),
                                       draft_seconds=time.perf_counter() - drafting_started)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from accelgen.profile import batch_forward_seconds, interpolate
+from accelgen.profile import batch_forward_seconds, interpolate, timing_prompt
 from accelgen.theory import AcceptanceEstimate, expected_tokens_per_forward
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -64,7 +64,7 @@ def calibrate(model, max_batch: int, widths=CALIBRATION_WIDTHS, context_tokens: 
               repeats: int = 2) -> ForwardCosts:
     """Time batched forwards (blocks of each width after context_tokens cached) for batch sizes 1, 2, 4, …
     up to max_batch, and max_batch itself."""
-    prompt_ids = [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
+    prompt_ids = timing_prompt(model, context_tokens)
     batches = sorted({size for size in CALIBRATION_BATCHES if size <= max_batch} | {max_batch})
     return ForwardCosts({batch: batch_forward_seconds(model, prompt_ids, batch, widths, repeats) for batch in batches})
 
@@ -149,7 +149,7 @@ class Goodput:
         """decoding: the requests past their prompt, which share one batched forward this step."""
         if not decoding:
             return 0
-        drafting_with_model = sum(hasattr(request.sequence.drafter, "draft_steps") for request in decoding)
+        drafting_with_model = sum(request.sequence.drafts_with_a_model for request in decoding)
         length = best_draft_length([self.acceptance(request).alpha for request in decoding], drafting_with_model,
                                    self.target, self.draft, self.max_draft)
         self._idle_steps = self._idle_steps + 1 if length == 0 else 0

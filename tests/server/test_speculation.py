@@ -53,8 +53,7 @@ def test_calibrate_times_real_batched_forwards(tiny_target):
 
 
 def fake_request(method: str, with_draft_model: bool = False):
-    drafter = SimpleNamespace(draft_steps=None) if with_draft_model else SimpleNamespace()
-    return SimpleNamespace(method=method, sequence=SimpleNamespace(drafter=drafter))
+    return SimpleNamespace(method=method, sequence=SimpleNamespace(drafts_with_a_model=with_draft_model))
 
 
 def test_goodput_learns_acceptance_per_request_and_per_method():
