@@ -179,7 +179,7 @@ class Sequence:
             raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
         generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         prompt_ids = encode_prompt(tokenizer, prompt)
-        target = ModelRunner(model)
+        target = spec.make_runner(model, **options) if spec.make_runner else ModelRunner(model)
         if len(prompt_ids) >= target.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
         outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
@@ -266,6 +266,9 @@ class Sequence:
             close()
         output = self.output
         stats = self.stats.as_dict(len(output.token_ids))
+        exits = getattr(self.target, "describe", None)  # early exit: the layers decoding went through
+        if exits is not None:
+            stats.update(exits())
         describe = getattr(self.drafter, "describe", None)  # optional: what a policy (`auto`) chose, and why
         if describe is not None:
             stats["choice"] = describe()

@@ -27,6 +27,9 @@ class MethodSpec:
     # verification rule; None: greedy match at temperature 0, speculative sampling otherwise
     make_verifier: Callable | None = None
     greedy_only: bool = False  # a lossy rule that relaxes greedy matching (greedy-exact methods are greedy only anyway)
+    # (target_model, **options) -> ModelRunner, for a method that changes the target's own forward (early exit,
+    # accelgen/exits/); None: the plain ModelRunner
+    make_runner: Callable | None = None
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:
@@ -82,3 +85,4 @@ def list_methods() -> list[MethodSpec]:
 
 def _load_builtin_methods() -> None:
     import accelgen.drafters  # noqa: F401  (each drafter module registers its methods on import)
+    import accelgen.exits  # noqa: F401  (and so does each early-exit module)

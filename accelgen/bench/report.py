@@ -10,7 +10,7 @@ from pathlib import Path
 
 from accelgen.bench import metrics, plots
 from accelgen.bench.methods import BASELINE, LOSSLESS
-from accelgen.bench.runner import AUDITS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
+from accelgen.bench.runner import AUDITS_FILE, EXECUTIONS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
 
 RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
 SPEEDUP_PLOT, TAU_PLOT, TRADEOFF_PLOT = "speedup.png", "tau.png", "tradeoff.png"
@@ -23,7 +23,8 @@ def render(out_dir: Path) -> dict:
     if not run_file.exists():
         raise FileNotFoundError(f"{out_dir} is not a benchmark folder: it has no {RUN_FILE}")
     run_info = json.loads(run_file.read_text())
-    results = build_results(run_info, read_jsonl(out_dir / RECORDS_FILE), read_jsonl(out_dir / AUDITS_FILE))
+    results = build_results(run_info, read_jsonl(out_dir / RECORDS_FILE), read_jsonl(out_dir / AUDITS_FILE),
+                            read_jsonl(out_dir / EXECUTIONS_FILE))
     (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1) + "\n")
     methods = results["config"]["methods"]
     plots.speedup_plot(results["aggregates"], methods, out_dir / SPEEDUP_PLOT)
@@ -35,9 +36,11 @@ def render(out_dir: Path) -> dict:
     return results
 
 
-def build_results(run_info: dict, records: list[dict], audits: list[dict]) -> dict:
+def build_results(run_info: dict, records: list[dict], audits: list[dict], executions: list[dict] = ()) -> dict:
     config = run_info["config"]
     greedy = config["temperature"] == 0
+    passed = {(row["prompt_id"], row["method"]): row["passed"] for row in executions}
+    records = [{**r, "passed": passed.get((r["prompt_id"], r["method"]))} for r in records]
     compared = metrics.compare_with_baseline(records, greedy)
     gammas = theory_gammas(run_info)
     aggregates = metrics.aggregate(compared, config["methods"], gammas)
@@ -103,7 +106,9 @@ def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> li
 # --- markdown -----------------------------------------------------------------------------------------------
 
 SUMMARY_COLUMNS = ("method", "lossless", "prompts", "new tokens", "time (s)", "tokens/s", "speedup (total)",
-                   "speedup (geomean)", "τ", "acceptance", "draft share", "identical", "agreement")
+                   "speedup (geomean)", "τ", "acceptance", "draft share", "identical", "agreement", "ROUGE-L")
+# shown only where some method has them: early exit's mean depth, HumanEval's pass@1 (--execute)
+OPTIONAL_COLUMNS = {"mean_layers": "layers", "pass_at_1": "pass@1"}
 
 
 def markdown(results: dict) -> str:
@@ -170,6 +175,7 @@ def warning_line(warning: dict) -> str:
 
 
 def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
+    optional = [key for key in OPTIONAL_COLUMNS if any(s[key] is not None for s in summaries.values())]
     rows = []
     for name, s in summaries.items():
         identical = f"{s['identical']}/{s['compared']}" if greedy and s["compared"] else "n/a"
@@ -178,8 +184,9 @@ def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
         rows.append([name, methods[name]["lossless"], s["prompts"], s["new_tokens"], num(s["seconds"], 2),
                      num(s["tokens_per_second"], 2), times(s["speedup_total"]), times(s["speedup_geomean"]),
                      num(s["tau"], 2), num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical,
-                     percent(s["agreement"])])
-    return table(SUMMARY_COLUMNS, rows)
+                     percent(s["agreement"]), num(s["rouge_l"], 3)]
+                    + [num(s["mean_layers"], 1) if key == "mean_layers" else percent(s[key]) for key in optional])
+    return table(SUMMARY_COLUMNS + tuple(OPTIONAL_COLUMNS[key] for key in optional), rows)
 
 
 def audit_section(audits: list[dict]) -> list[str]:
@@ -221,7 +228,10 @@ def legend(greedy: bool) -> list[str]:
         lines.append(f"- identical: prompts whose tokens equal {BASELINE}'s exactly. Each divergence of a lossless "
                      "method is audited: a *near-tie* is a rounding difference between nearly equal logits, an *error* is not.")
         lines.append(f"- agreement: share of positions holding {BASELINE}'s token (a missing token counts as a "
-                     "difference), averaged over prompts; what a lossy method gives up for its speed.")
+                     "difference), averaged over prompts; what a lossy method gives up for its speed. ROUGE-L: "
+                     f"F1 of the longest common token subsequence with {BASELINE}'s output (forgives shifts).")
+        lines.append("- layers (early exit): mean number of decoder layers a decoded token went through. "
+                     "pass@1 (HumanEval, `--execute`): share of completions that pass the task's unit tests.")
     else:
         lines.append("- sampling run: outputs are not expected to match, so only speed and τ are reported.")
     return lines + [""]

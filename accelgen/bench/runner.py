@@ -5,7 +5,8 @@ Files in the output folder:
     run.json        configuration, run metadata, measured forward costs (written first)
     records.jsonl   one line per (prompt, method) run
     audits.jsonl    one line per audited divergence (written after the loop)
-    results.json, report.md, speedup.png, tau.png   rendered from the three above (accelgen.bench.report)
+    executions.jsonl  with --execute: one line per HumanEval completion run through its tests (after the loop)
+    results.json, report.md, speedup.png, tau.png   rendered from the files above (accelgen.bench.report)
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import torch
 import accelgen
 from accelgen.bench import audit
 from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
+from accelgen.bench.execution import execute_records
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
 from accelgen.profile import forward_seconds
 
-RUN_FILE, RECORDS_FILE, AUDITS_FILE = "run.json", "records.jsonl", "audits.jsonl"
+RUN_FILE, RECORDS_FILE, AUDITS_FILE, EXECUTIONS_FILE = "run.json", "records.jsonl", "audits.jsonl", "executions.jsonl"
 WARMUP_TOKENS = 8
 COST_REPEATS = 5
 
@@ -97,6 +99,7 @@ def run(
     overwrite: bool = False,
     command: str | None = None,
     progress: Callable[[dict, list[dict]], None] | None = None,
+    execute: bool = False,
 ) -> Path:
     """Run (or resume) the benchmark into out_dir; returns out_dir. progress(record, records) after each record."""
     config = plan.config
@@ -134,12 +137,21 @@ def run(
 
     if config.temperature == 0:
         audit_divergences(plan, model, tokenizer, prompt_ids, records, out_dir / AUDITS_FILE)
+    if execute:
+        execute_completions(records, tokenizer, out_dir / EXECUTIONS_FILE)
     return out_dir
 
 
 def generate(plan: Plan, method: BenchMethod, model, tokenizer, draft_model, prompt_ids, max_new_tokens, seed=0) -> dict:
     return run_method(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                       temperature=plan.config.temperature, seed=seed, options=plan.options[method.name])
+
+
+def execute_completions(records: list[dict], tokenizer, path: Path) -> None:
+    """HumanEval records' completions through the tests (bench/execution.py); cached in path."""
+    done = {(row["prompt_id"], row["method"]) for row in read_jsonl(path)}
+    for row in execute_records(records, tokenizer, done):
+        append_jsonl(path, row)
 
 
 def ratio_or_none(numerator, denominator) -> float | None:
@@ -166,7 +178,7 @@ def open_run(out_dir: Path, identity: dict, overwrite: bool) -> dict | None:
     """The saved run.json if this run resumes it; None when starting afresh (old files removed on overwrite)."""
     path = out_dir / RUN_FILE
     if overwrite:
-        for name in (RUN_FILE, RECORDS_FILE, AUDITS_FILE):
+        for name in (RUN_FILE, RECORDS_FILE, AUDITS_FILE, EXECUTIONS_FILE):
             (out_dir / name).unlink(missing_ok=True)
         return None
     if not path.exists():

@@ -4,31 +4,22 @@ Draft & Verify (Zhang et al. 2024, arXiv:2309.08168) drafts with the target itse
 attention and MLP sub-layers, and verifies with all of them. This runner calls the HF model's own modules
 in order (embeddings, each decoder layer's two residual sub-blocks, final norm, LM head), leaving out the
 skipped sub-blocks; no model code is copied. It has its own KV cache: a layer whose attention is skipped
-never writes to it, and its cache layer stays empty.
-
-Supported: decoder layers of the Llama family shape (`input_layernorm`, `self_attn`, `post_attention_layernorm`,
-`mlp`), as in Llama, Qwen2, Mistral and SmolLM2.
+never writes to it, and its cache layer stays empty. Llama-style decoders only (see layerwise.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
 from accelgen.models.runner import ModelRunner
-
-SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
 class LayerSkipRunner(ModelRunner):
     def __init__(self, model, skip_attention: list[int], skip_mlp: list[int]):
         super().__init__(model)
-        decoder = getattr(model, "model", None)
-        layers = getattr(decoder, "layers", None)
-        if layers is None or not all(hasattr(decoder, name) for name in ("embed_tokens", "norm", "rotary_emb")) \
-                or not all(hasattr(layer, name) for layer in layers for name in SUB_BLOCKS):
-            raise ValueError(f"layer skipping needs a Llama-style decoder (model.model.layers with {', '.join(SUB_BLOCKS)}); "
-                             f"{type(model).__name__} is not one")
-        self.decoder = decoder
+        self.decoder = llama_decoder(model, "layer skipping")
+        layers = self.decoder.layers
         self.skip_attention = check_layers("skip_attention", skip_attention, len(layers))
         self.skip_mlp = check_layers("skip_mlp", skip_mlp, len(layers))
         if len(self.skip_attention) == len(layers):
@@ -46,15 +37,13 @@ class LayerSkipRunner(ModelRunner):
         position_embeddings = self.decoder.rotary_emb(hidden, positions)
         for index, layer in enumerate(self.decoder.layers):
             if index not in self.skip_attention:
-                attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=mask,
-                                              position_ids=positions, past_key_values=self.cache,
-                                              position_embeddings=position_embeddings)
-                hidden = hidden + attended
+                hidden = attention_block(layer, hidden, mask=mask, positions=positions, cache=self.cache,
+                                         position_embeddings=position_embeddings)
             if index not in self.skip_mlp:
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                hidden = mlp_block(layer, hidden)
         if logits_for_last:
             hidden = hidden[:, -logits_for_last:]
-        return self.model.lm_head(self.decoder.norm(hidden))[0].float()
+        return exit_logits(self.model, self.decoder, hidden)[0]
 
 
 def check_layers(name: str, layers, count: int) -> frozenset[int]:

@@ -28,6 +28,8 @@ def test_speedup_total_and_geomean_and_identical():
     assert summary["speedup_geomean"] == pytest.approx(math.sqrt(2))
     assert summary["identical"] == 1 and summary["compared"] == 2 and summary["mismatched_prompts"] == ["p2"]
     assert [r["agreement"] for r in fast] == [1.0, 0.5] and summary["agreement"] == 0.75
+    assert [r["rouge_l"] for r in fast] == [1.0, 0.5] and summary["rouge_l"] == 0.75
+    assert summary["mean_layers"] is None and summary["pass_at_1"] is None  # no record carries them
     assert summary["tokens_per_second"] == pytest.approx(4 / 5)
 
 
@@ -65,3 +67,11 @@ def test_theory_check_rows():
     assert rows[0]["predicted_speedup"] == pytest.approx(1.75 / 1.5)
     assert rows[0]["measured_speedup_vs_autoregressive"] == pytest.approx(1.5)
     assert metrics.theory_check(overall, "speculative", 2, cost_ratio=None) == []
+
+
+def test_early_exit_depth_and_test_outcomes_are_averaged_where_known():
+    records = [{**record("p1", "exit", 1.0), "mean_layers": 20.0, "passed": True},
+               {**record("p2", "exit", 1.0), "mean_layers": 24.0, "passed": False},
+               {**record("p3", "exit", 1.0), "mean_layers": None, "passed": None}]
+    summary = metrics.summarize(metrics.compare_with_baseline(records, greedy=True))
+    assert summary["mean_layers"] == 22.0 and summary["pass_at_1"] == 0.5

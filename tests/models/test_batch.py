@@ -99,3 +99,21 @@ def test_forward_together_equals_forward_alone(make_tiny_model, monkeypatch):
     assert together[:5] == alone and [len(tokens) for tokens in alone] == [4, 1, 3, 0, 2]
     assert isinstance(together[5], RuntimeError)
     assert [len(wide)] in widths and all(len(w) == 1 for w in widths if len(wide) in w)  # never padded into a batch
+
+
+def test_a_runner_with_its_own_forward_is_not_batched(make_tiny_model):
+    """An early-exit runner decodes through its own walk even when the server batches it with others."""
+    from accelgen.exits.calm import make_rule
+    from accelgen.models.early_exit import EarlyExitRunner
+
+    model = make_tiny_model("qwen2", layers=3)
+    exiting = [EarlyExitRunner(model, make_rule(model, measure="softmax", threshold=0.0, exit_layers=[0]))
+               for _ in range(2)]
+    plain = [runner_after(model, [5, 6, 7]) for _ in range(2)]
+    for runner in exiting:
+        runner.forward(torch.tensor([5, 6, 7]))
+    block = (torch.tensor([8]), None, 1)
+    together = batched_forward([exiting[0], plain[0]], [block, block])
+    torch.testing.assert_close(together[0], exiting[1].forward(*block))
+    torch.testing.assert_close(together[1], plain[1].forward(*block))
+    assert exiting[0].layers_used == [1]

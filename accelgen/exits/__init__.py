@@ -1,0 +1,7 @@
+"""Early-exit methods, one file per method; importing this package registers them all.
+
+Each builds an exit rule for `models.early_exit.EarlyExitRunner`, the target's forward that leaves the layer
+stack early, and drafts nothing (the loop then commits one token per step, from wherever the token exited).
+"""
+
+from accelgen.exits import calm, consistent_ee, ee_recompute, free, hash_ee, skipdecode  # noqa: F401

@@ -1,0 +1,186 @@
+"""The target decoding each token through only part of its layers, as an exit rule decides: early exiting.
+
+Early-exit methods (CALM, Hash EE, SkipDecode: accelgen/exits/) change the target's own forward, not the
+draft: each step still feeds the root alone and commits the token its logits choose, but those logits may come
+from an intermediate layer, read through the model's final norm and LM head (`layerwise.exit_logits`).
+
+A rule decides per token (see `ExitRule`):
+- `first_layer(position)`: where the walk starts; SkipDecode skips *lower* layers late in a sequence, the token
+  embedding going straight into the first computed layer (so every computed layer's cache stays complete:
+  the start never moves down, and later tokens never read the lower layers again);
+- `should_exit(token, layer, hidden, previous, logits)`: leave after this layer.
+
+A token that exits at layer ℓ still needs keys and values in layers above ℓ, or later tokens would have nothing
+to attend to there. Two ways to provide them (`propagation`):
+- "copy" (CALM, Schuster et al. 2022): its exited hidden state is copied up, each upper layer's attention
+  running on it to write its cache entries (that attention's output is discarded). The MLPs of the upper
+  layers, two thirds of a layer's work in these models, are what exiting saves; the copied entries are approximate.
+- "recompute" (EE-LLM, Chen et al. 2023): the upper layers are left missing, and the next step computes them
+  for real, as a second row beside the new token from the layer above the exit up (`pending`). The cache ends
+  up exactly as if the token had been decoded by the layers above its exit, from its exited state; at most one
+  token is pending at a time, the one decoded last.
+- "synchronized" (FREE, Bae et al. 2023): as "recompute", but exited tokens wait for the next token that goes
+  deep, and their upper layers run as extra rows beside it (all exits at one layer, so the rows line up).
+  A rule with `observe` then learns how its exit predictions compare with the full model's.
+
+A prompt (a block of more than one token) goes through every layer, as do draft trees: early exit applies to
+decoding only. The runner counts, per decoded token, the layers it went through in full (`layers_used`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
+from accelgen.models.runner import ModelRunner
+
+
+class ExitRule(Protocol):
+    def first_layer(self, position: int) -> int:
+        """The first layer a token at this position goes through (0 unless lower layers are skipped)."""
+        ...
+
+    def should_exit(self, token: int, layer: int, hidden: torch.Tensor, previous: torch.Tensor,
+                    logits: Callable[[], torch.Tensor]) -> bool:
+        """Whether the token `token` leaves after layer `layer` (0-based). hidden (d,) is that layer's output,
+        previous (d,) the one before; logits() computes the exit head's (vocab,) float32 logits there, at most once."""
+        ...
+
+
+PROPAGATIONS = ("copy", "recompute", "synchronized")
+
+
+@dataclass
+class Pending:
+    """Tokens that exited after `layer` and whose cache entries above it are still to be computed."""
+
+    layer: int
+    hidden: torch.Tensor  # (1, k, d) their hidden states at the exit, oldest first
+    logits: torch.Tensor  # (k, vocab) the exit predictions they were decoded with
+
+
+class EarlyExitRunner(ModelRunner):
+    def __init__(self, model, rule: ExitRule, propagation: str = "copy", heads=None):
+        super().__init__(model)
+        if propagation not in PROPAGATIONS:
+            raise ValueError(f"propagation must be one of {', '.join(PROPAGATIONS)}, not {propagation!r}")
+        self.decoder = llama_decoder(model, "early exit")
+        self.layer_count = len(self.decoder.layers)
+        self.rule = rule
+        self.propagation = propagation
+        self.heads = heads  # trained exit adapters (train/exit_heads.py), or None for the plain exits
+        self.layers_used: list[int] = []  # per decoded token: layers it went through in full
+        self.pending: Pending | None = None  # "recompute" and "synchronized": the last tokens, if they exited
+
+    @property
+    def length(self) -> int:
+        """Positions covered, read from the top layer, which every token writes (lower ones may be skipped),
+        plus pending tokens whose top-layer entries are still to come."""
+        top = self.cache.layers[-1]
+        held = top.keys.shape[-2] if top.is_initialized else 0
+        return self.position_offset + held + (0 if self.pending is None else self.pending.hidden.shape[1])
+
+    def reset(self) -> None:
+        super().reset()
+        self.layers_used = []
+        self.pending = None
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
+        """As ModelRunner.forward; a single token (a decoding step) exits where the rule says."""
+        if token_ids.shape[0] != 1 or tree is not None:
+            if self.pending is not None:
+                raise ValueError("early exit decodes one token at a time after the prompt")
+            return super().forward(token_ids, tree, logits_for_last)
+        token, position = int(token_ids[0]), self.length
+        hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])  # (1, 1, d)
+        pending, self.pending = self.pending, None
+        waiting = 0 if pending is None else pending.hidden.shape[1]
+        alone = self._walk([position], hidden)
+        if pending is not None:  # above their exit, the pending tokens ride along as extra rows
+            together = self._walk(list(range(position - waiting, position + 1)), hidden)
+            pending_hidden = pending.hidden
+        head: dict[int, torch.Tensor] = {}  # layer -> exit logits, computed at most once per layer
+
+        def logits_at(layer: int, state: torch.Tensor) -> Callable[[], torch.Tensor]:
+            def logits() -> torch.Tensor:
+                if layer not in head:
+                    adapted = state if self.heads is None else self.heads.adapt(layer, state)
+                    head[layer] = exit_logits(self.model, self.decoder, adapted)[0, 0]
+                return head[layer]
+            return logits
+
+        start = self.rule.first_layer(position)
+        exit_layer = self.layer_count - 1
+        for index in range(start, self.layer_count):
+            previous = hidden
+            if pending is not None and index > pending.layer:
+                states = together(index, torch.cat([pending_hidden, hidden], dim=1))
+                pending_hidden, hidden = states[:, :waiting], states[:, waiting:]
+            else:
+                hidden = alone(index, hidden)
+            if index < self.layer_count - 1 and self.rule.should_exit(token, index, hidden[0, 0], previous[0, 0],
+                                                                        logits_at(index, hidden)):
+                exit_layer = index
+                break
+        exited = exit_layer < self.layer_count - 1
+        logits = logits_at(exit_layer, hidden)()
+        if pending is not None and exited and self.propagation == "synchronized":
+            # FREE: this token joins the pending ones; their deep layers wait for a token that goes deep
+            if exit_layer != pending.layer:
+                raise ValueError("synchronized decoding needs every exit at one layer")
+            self.pending = Pending(exit_layer, torch.cat([pending.hidden, hidden], dim=1),
+                                   torch.cat([pending.logits, logits[None]]))
+        else:
+            if pending is not None:  # finish the pending tokens' layers above this token's exit
+                finish = self._walk(list(range(position - waiting, position)), pending_hidden)
+                for index in range(max(exit_layer, pending.layer) + 1, self.layer_count):
+                    pending_hidden = finish(index, pending_hidden)
+                if self._learns:
+                    self.rule.observe(pending.layer, pending.logits, exit_logits(self.model, self.decoder, pending_hidden[0]))
+            if exited and self.propagation == "copy":  # CALM: upper layers' KV from the exited state
+                rotary = self._rotary([position], hidden)
+                for layer in self.decoder.layers[exit_layer + 1 :]:
+                    attention_block(layer, hidden, mask=None, **rotary)
+            elif exited:
+                self.pending = Pending(exit_layer, hidden, logits[None])
+        if not exited and self._learns:
+            for layer, shallow in head.items():
+                if layer < exit_layer:
+                    self.rule.observe(layer, shallow[None], logits[None])
+        self.layers_used.append(exit_layer + 1 - start)
+        return logits[None]
+
+    @property
+    def _learns(self) -> bool:
+        """Whether the rule learns from exit predictions set beside the full model's (FREE's adaptive threshold):
+        `observe(layer, shallow (k, vocab), deep (k, vocab))` whenever tokens' deep layers complete."""
+        return hasattr(self.rule, "observe")
+
+    def _rotary(self, positions: list[int], hidden: torch.Tensor) -> dict:
+        position_ids = torch.tensor([positions], device=self.device)
+        return {"positions": position_ids, "cache": self.cache,
+                "position_embeddings": self.decoder.rotary_emb(hidden, position_ids)}
+
+    def _walk(self, positions: list[int], hidden: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """layer index, hidden (1, k, d) -> that layer's output for k consecutive new positions."""
+        rotary = self._rotary(positions, hidden)
+
+        def through(index: int, state: torch.Tensor) -> torch.Tensor:
+            layer = self.decoder.layers[index]
+            mask = None  # one query sees the whole cache; several need a causal mask over the cache + themselves
+            if len(positions) > 1:
+                cached = self.cache.layers[index]
+                mask = self._tree_mask(cached.keys.shape[-2] if cached.is_initialized else 0,
+                                       torch.ones(len(positions), len(positions), dtype=torch.bool).tril())
+            return mlp_block(layer, attention_block(layer, state, mask=mask, **rotary))
+
+        return through
+
+    def describe(self) -> dict:
+        """What exiting saved: the mean number of layers a decoded token went through, of how many."""
+        used = self.layers_used
+        return {"mean_layers": sum(used) / len(used) if used else float(self.layer_count), "layers": self.layer_count}

@@ -1,0 +1,236 @@
+"""`accelgen train ...`: what some methods need before they pay, trained on this CPU.
+
+    layerskip      fine-tune so that early exits become accurate (train/layerskip.py)
+    exit-heads     exit adapters and CALM's classifiers on a frozen model (train/exit_heads.py)
+    consistent-ee  ConsistentEE's exit policy, by policy gradient (train/consistent_ee.py)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+
+def register(app: typer.Typer) -> None:
+    train_app = typer.Typer(no_args_is_help=True, help="Train what some methods need, on this CPU.")
+
+    @train_app.command("layerskip")
+    def layerskip(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt (assistant turns, without the benchmark's "
+                                                                 "sample) or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for checkpoints and the trained model "
+                                                          "(an existing checkpoint there is resumed)."),
+        steps: int = typer.Option(200),
+        batch_size: int = typer.Option(4, "--batch-size"),
+        seq_len: int = typer.Option(128, "--seq-len"),
+        learning_rate: float = typer.Option(2e-5, "--learning-rate"),
+        p_max: float = typer.Option(0.1, "--p-max", help="Layer dropout of the last layer (lower layers less)."),
+        exit_scale: float = typer.Option(1.0, "--exit-scale", help="Weight of the early-exit losses (e_scale)."),
+        curriculum: str = typer.Option("rotational", help="rotational or gradual."),
+        rotation: int = typer.Option(8, help="rotational: exits of every R-th layer per step."),
+        checkpoint_every: int = typer.Option(25, "--checkpoint-every"),
+        held_out: int = typer.Option(16, "--held-out", help="Windows kept out of training to measure exit accuracy."),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """LayerSkip: layer dropout rising with depth + an early-exit loss; exit accuracy per layer before and after."""
+        import torch
+        from rich.table import Table
+
+        from accelgen.datastore_cli import dataset_texts
+        from accelgen.models import load_model
+        from accelgen.train.layerskip import LayerSkipConfig, exit_accuracy, packed_windows, train_layerskip
+
+        if threads:
+            torch.set_num_threads(threads)
+        with reported_errors():
+            config = LayerSkipConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, learning_rate=learning_rate,
+                                     p_max=p_max, exit_scale=exit_scale, curriculum=curriculum, rotation=rotation,
+                                     checkpoint_every=checkpoint_every)
+            with stderr.status(f"loading {model} …"):
+                target_model, tokenizer = load_model(model, dtype="float32")
+            with stderr.status("tokenizing …"):
+                windows = packed_windows(tokenizer, dataset_texts(dataset), seq_len, steps * batch_size + held_out)
+            held, training = windows[:held_out], windows[held_out:]
+            with stderr.status("exit accuracy before training …"):
+                before = exit_accuracy(target_model, held)
+            with progress_bar(steps) as show:
+                result = train_layerskip(target_model, tokenizer, training, config, out,
+                                         progress=lambda row: show(row, "loss {loss:.3f}, {tokens_per_second:.0f} tokens/s"))
+            after = exit_accuracy(target_model, held)
+        table = Table("layer", "next token (before)", "next token (after)", "agrees with last (before)",
+                      "agrees with last (after)")
+        for old, new in zip(before, after):
+            table.add_row(str(old["layer"]), f"{old['next_token']:.1%}", f"{new['next_token']:.1%}",
+                          f"{old['agrees_with_last']:.1%}", f"{new['agrees_with_last']:.1%}")
+        Console().print(table)
+        write_json(Path(out) / "exit_accuracy.json", {
+            "model": model, "dataset": dataset, "config": {f.name: getattr(config, f.name) for f in fields(config)},
+            "training_seconds": result["seconds"], "resumed_at": result["resumed_at"], "held_out_windows": held_out,
+            "exit_accuracy_before": before, "exit_accuracy_after": after})
+        plot_exit_accuracy(before, after, Path(out) / "exit_accuracy.png")
+        stderr.print(f"trained {steps - result['resumed_at']} steps in {result['seconds']:.0f}s → {out} "
+                      f"(use --model {out} --method layerskip); exit accuracy: {out}/exit_accuracy.json, .png")
+
+    @train_app.command("exit-heads")
+    def exit_heads(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the heads (then: calm -o heads=OUT)."),
+        layers: Optional[str] = typer.Option(None, help="Comma-separated exit layers (default: calm's)."),
+        windows: int = typer.Option(64, help="Windows of --seq-len tokens whose hidden states are kept."),
+        held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
+        seq_len: int = typer.Option(128, "--seq-len"),
+        steps: int = typer.Option(300),
+        batch_size: int = typer.Option(256, "--batch-size", help="Positions per step."),
+        rank: int = typer.Option(64, help="Adapter width."),
+        learning_rate: float = typer.Option(1e-3, "--learning-rate"),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """Exit adapters (matched to the last layer) and CALM's early-exit classifiers, with the base model frozen."""
+        from rich.table import Table
+
+        from accelgen.train.exit_heads import evaluate_exit_heads, train_exit_heads
+
+        with reported_errors():
+            target_model, chosen, hidden, unseen = hidden_states_for(model, dataset, layers, windows, held_out,
+                                                                     seq_len, threads)
+            with progress_bar(steps) as show:
+                heads = train_exit_heads(target_model, hidden, chosen, rank=rank, steps=steps, batch_size=batch_size,
+                                         learning_rate=learning_rate, progress=lambda row: show(row, "loss {loss:.3f}"))
+            heads.base_model = model
+            heads.save(out)
+            evaluation = evaluate_exit_heads(target_model, heads, unseen)
+        table = Table("layer", "plain exit agrees with last", "adapted exit agrees", "classifier right")
+        for row in evaluation:
+            table.add_row(str(row["layer"]), f"{row['plain_agreement']:.1%}", f"{row['adapted_agreement']:.1%}",
+                          f"{row['classifier_accuracy']:.1%}")
+        Console().print(table)
+        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "layers": evaluation})
+        stderr.print(f"exit heads for layers {chosen} → {out}; use: --method calm -o heads={out} [-o measure=classifier]")
+
+    @train_app.command("consistent-ee")
+    def consistent_ee(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the policy (then: consistent-ee -o heads=OUT)."),
+        heads: Optional[Path] = typer.Option(None, help="Trained exit heads to build on (their layers and adapters)."),
+        layers: Optional[str] = typer.Option(None, help="Comma-separated exit layers, without --heads (default: calm's)."),
+        speed_weight: float = typer.Option(1.0, "--speed-weight", help="How much depth costs against accuracy."),
+        windows: int = typer.Option(64, help="Windows of --seq-len tokens whose hidden states are kept."),
+        held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
+        seq_len: int = typer.Option(128, "--seq-len"),
+        steps: int = typer.Option(300),
+        batch_size: int = typer.Option(512, "--batch-size", help="Positions (episodes) per step."),
+        learning_rate: float = typer.Option(1e-2, "--learning-rate"),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """ConsistentEE: an exit policy trained with policy gradient, rewarded by accuracy or depth by token hardness."""
+        from accelgen.train.consistent_ee import evaluate_exit_policy, train_exit_policy
+        from accelgen.train.exit_heads import ExitHeads
+
+        with reported_errors():
+            base = None
+            if heads is not None:
+                base = ExitHeads.load(heads)
+                layers = ",".join(map(str, base.layers))
+            target_model, chosen, hidden, unseen = hidden_states_for(model, dataset, layers, windows, held_out,
+                                                                     seq_len, threads)
+            if base is not None:
+                base.check_fits(target_model)
+            with progress_bar(steps) as show:
+                policy = train_exit_policy(target_model, hidden, chosen, heads=base, steps=steps, batch_size=batch_size,
+                                           learning_rate=learning_rate, speed_weight=speed_weight,
+                                           progress=lambda row: show(row, "reward {reward:.3f}, depth {mean_depth:.0%}, "
+                                                                          "agrees {agreement:.0%}"))
+            policy.base_model = model
+            policy.save(out)
+            evaluation = evaluate_exit_policy(target_model, policy, unseen)
+        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "speed_weight": speed_weight, **evaluation})
+        stderr.print(f"held out: mean depth {evaluation['mean_depth']:.0%} of the layers, exits agree with the full "
+                     f"model on {evaluation['agreement']:.1%} of positions")
+        stderr.print(f"exit policy for layers {chosen} → {out}; use: --method consistent-ee -o heads={out}")
+
+    app.add_typer(train_app, name="train")
+
+
+stderr = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def reported_errors():
+    """Bad input ends the command with its message and exit status 2."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, OSError) as error:
+        stderr.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def progress_bar(steps: int):
+    """Yields show(row, status_format): a training progress bar fed by the trainers' progress rows."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+    with Progress(*columns, console=stderr) as bar:
+        task = bar.add_task("training", total=steps, status="")
+        yield lambda row, status: bar.update(task, completed=row["step"], status=status.format(**row))
+
+
+def hidden_states_for(model: str, dataset: str, layers: str | None, windows: int, held_out: int, seq_len: int,
+                      threads: int | None):
+    """(model, exit layers, hidden states for training, hidden states held out) for the exit trainers."""
+    import torch
+
+    from accelgen.datastore_cli import dataset_texts
+    from accelgen.exits.calm import check_exit_layers
+    from accelgen.models import load_model
+    from accelgen.train.exit_heads import collect_hidden_states
+    from accelgen.train.layerskip import packed_windows
+
+    if threads:
+        torch.set_num_threads(threads)
+    with stderr.status(f"loading {model} …"):
+        target_model, tokenizer = load_model(model, dtype="float32")
+    count = target_model.config.num_hidden_layers
+    chosen = check_exit_layers(None if layers is None else layers.split(","), count)
+    if count - 1 in chosen:
+        raise ValueError(f"layer {count - 1} is the last layer: it needs no exit head")
+    with stderr.status("tokenizing …"):
+        data = packed_windows(tokenizer, dataset_texts(dataset), seq_len, windows + held_out)
+    if len(data) <= held_out:
+        raise ValueError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
+    with stderr.status(f"hidden states of {data.numel():,} positions at layers {chosen} …"):
+        return (target_model, chosen, collect_hidden_states(target_model, data[held_out:], chosen),
+                collect_hidden_states(target_model, data[:held_out], chosen))
+
+
+def write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=1) + "\n")
+
+
+def plot_exit_accuracy(before: list[dict], after: list[dict], path: Path) -> None:
+    """Per layer, how often the exit agrees with the last layer, before and after training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for rows, label in ((before, "before"), (after, "after")):
+        axes.plot([r["layer"] for r in rows], [100 * r["agrees_with_last"] for r in rows], marker="o", label=label)
+    axes.set_xlabel("exit after layer")
+    axes.set_ylabel("top-1 agrees with the last layer (%)")
+    axes.set_title("LayerSkip training: early-exit accuracy")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
