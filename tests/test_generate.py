@@ -298,7 +298,7 @@ def test_speculative_sampling_end_to_end_matches_target_distribution(make_tiny_m
     target = make_tiny_model("qwen2", seed=5, vocab_size=vocab)
     draft = make_tiny_model("llama", seed=6, vocab_size=vocab)
     target.generation_config.eos_token_id = None  # no token ends generation early
-    tokenizer = copy.copy(tokenizer)
+    tokenizer = copy.deepcopy(tokenizer)  # a shallow copy shares its special tokens with the session's tokenizer
     tokenizer.eos_token = None
     with torch.no_grad():
         first = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
