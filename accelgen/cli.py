@@ -46,6 +46,8 @@ def generate(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id, local folder or .gguf file."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model, for methods that need one."),
     method: str = typer.Option("autoregressive", "--method", help="A method from `accelgen methods`."),
+    heads: Optional[str] = typer.Option(None, "--heads", help="Trained heads folder, for methods that take heads "
+                                                              "(medusa, blockwise, calm, consistent-ee); = -o heads=..."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k"),
@@ -71,7 +73,7 @@ def generate(
         prompt = sys.stdin.read()
     try:
         spec = accelgen.get_method(method)
-        options = spec.check_options(parse_options(option))
+        options = spec.check_options({**parse_options(option), **({"heads": heads} if heads else {})})
         if "draft_model" in spec.needs and draft is None:
             raise ValueError(f"method {method!r} needs a draft model: pass --draft")
         target_model, tokenizer = load_with_progress(model, dtype)

@@ -31,8 +31,9 @@ def batched_forward(runners: list[ModelRunner], blocks: list[tuple[torch.Tensor,
     All runners wrap the same model. Returns each block's logits, (logits_for_last, vocab) float32, and
     leaves every runner's cache extended by its block, exactly as its own forward would.
     """
-    if len(runners) == 1 or any(type(runner) is not ModelRunner for runner in runners):
-        # a runner with a forward of its own (early exit) cannot share the model's batched forward
+    if len(runners) == 1 or any(type(runner) is not ModelRunner or runner.keep_hidden for runner in runners):
+        # a runner with a forward of its own (early exit), or one whose drafter reads its hidden states
+        # (Medusa), cannot share the model's batched forward
         return [runner.forward(*block) for runner, block in zip(runners, blocks)]
     model = runners[0].model
     lengths = [runner.length for runner in runners]

@@ -1,7 +1,7 @@
 """The target decoding each token through only part of its layers, as an exit rule decides: early exiting.
 
-Early-exit methods (CALM, Hash EE, SkipDecode: accelgen/exits/) change the target's own forward, not the
-draft: each step still feeds the root alone and commits the token its logits choose, but those logits may come
+Early-exit methods (accelgen/exits/: CALM, EE-LLM, FREE, ConsistentEE, Hash EE, SkipDecode) change the
+target's own forward, not the draft: each step still feeds the root alone and commits the token its logits choose, but those logits may come
 from an intermediate layer, read through the model's final norm and LM head (`layerwise.exit_logits`).
 
 A rule decides per token (see `ExitRule`):

@@ -24,6 +24,10 @@ class ModelRunner:
         # positions the cache leaves out: a sparse cache (TriForce's retrieval and StreamingLLM caches) holds
         # only some of the positions before its newest entries, which still have their true positions
         self.position_offset = 0
+        # drafters that read the target's last hidden states (Medusa heads) set keep_hidden; each forward then
+        # leaves in `hidden` the final (normed) hidden states of the rows whose logits it returned, (k, d)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -51,15 +55,13 @@ class ModelRunner:
         else:
             positions = start + tree.sum(dim=-1) - 1  # depth = number of ancestors
             mask = self._tree_mask(kv.cache_length(self.cache), tree)
-        output = self.model(
-            input_ids=token_ids.to(self.device)[None],
-            position_ids=positions.to(self.device)[None],
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_for_last,
-        )
-        return output.logits[0].float()
+        inputs = dict(input_ids=token_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
+                      attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        if self.keep_hidden:  # the decoder, then its LM head on the rows asked for: what the causal LM does
+            hidden = self.model.model(**inputs).last_hidden_state[0, -logits_for_last:]
+            self.hidden = hidden
+            return self.model.lm_head(hidden).float()
+        return self.model(**inputs, logits_to_keep=logits_for_last).logits[0].float()
 
     def _tree_mask(self, cached: int, tree: torch.Tensor) -> torch.Tensor:
         """(1, 1, m, cached + m) additive mask: every new token sees the whole cache, then its tree ancestors."""

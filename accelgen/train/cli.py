@@ -3,6 +3,7 @@
     layerskip      fine-tune so that early exits become accurate (train/layerskip.py)
     exit-heads     exit adapters and CALM's classifiers on a frozen model (train/exit_heads.py)
     consistent-ee  ConsistentEE's exit policy, by policy gradient (train/consistent_ee.py)
+    medusa         Medusa / blockwise heads on the frozen target's last hidden states (train/medusa.py)
 """
 
 from __future__ import annotations
@@ -156,6 +157,55 @@ def register(app: typer.Typer) -> None:
         stderr.print(f"held out: mean depth {evaluation['mean_depth']:.0%} of the layers, exits agree with the full "
                      f"model on {evaluation['agreement']:.1%} of positions")
         stderr.print(f"exit policy for layers {chosen} → {out}; use: --method consistent-ee -o heads={out}")
+
+    @train_app.command("medusa")
+    def medusa(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the heads (then: --method medusa -o heads=OUT)."),
+        heads: int = typer.Option(4, help="Number of heads: head k guesses the token k places after the next one."),
+        windows: int = typer.Option(128, help="Windows of --seq-len tokens whose hidden states are kept."),
+        held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
+        seq_len: int = typer.Option(128, "--seq-len"),
+        steps: int = typer.Option(300),
+        batch_size: int = typer.Option(256, "--batch-size", help="Positions per step."),
+        learning_rate: float = typer.Option(1e-3, "--learning-rate"),
+        dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """Medusa heads (also for blockwise) on the frozen target's last hidden states; top-1/top-5 per head held out."""
+        import torch
+        from rich.table import Table
+
+        from accelgen.datastore_cli import dataset_texts
+        from accelgen.models import load_model
+        from accelgen.train.layerskip import packed_windows
+        from accelgen.train.medusa import evaluate_medusa, final_hidden_states, train_medusa
+
+        if threads:
+            torch.set_num_threads(threads)
+        with reported_errors():
+            with stderr.status(f"loading {model} …"):
+                target_model, tokenizer = load_model(model, dtype=dtype)
+            with stderr.status("tokenizing …"):
+                data = packed_windows(tokenizer, dataset_texts(dataset), seq_len, windows + held_out)
+            if len(data) <= held_out:
+                raise ValueError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
+            with stderr.status(f"hidden states of {data.numel():,} positions …"):
+                hidden = final_hidden_states(target_model, data)
+            with progress_bar(steps) as show:
+                trained = train_medusa(target_model, data[held_out:], hidden[held_out:], heads, steps=steps,
+                                       batch_size=batch_size, learning_rate=learning_rate,
+                                       progress=lambda row: show(row, "loss {loss:.3f}"))
+            trained.base_model = model
+            trained.save(out)
+            evaluation = evaluate_medusa(target_model, trained, data[:held_out], hidden[:held_out])
+        table = Table("head", "guesses token", "top-1", "top-5")
+        for row in evaluation:
+            table.add_row(str(row["head"]), f"+{row['offset']}", f"{row['top1']:.1%}", f"{row['top5']:.1%}")
+        Console().print(table)
+        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "heads": evaluation})
+        stderr.print(f"{heads} Medusa heads → {out}; use: --method medusa -o heads={out} (or --method blockwise)")
 
     app.add_typer(train_app, name="train")
 

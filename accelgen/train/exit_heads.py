@@ -19,7 +19,6 @@ is refused with the reason.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,9 +26,10 @@ from typing import Callable
 import torch
 
 from accelgen.models.layerwise import exit_logits, llama_decoder
+from accelgen.train.heads import check_fits, load_heads, save_heads
 from accelgen.train.layerskip import causal_mask
 
-WEIGHTS_FILE, CONFIG_FILE = "exit_heads.safetensors", "exit_heads.json"
+NAME = "exit_heads"  # exit_heads.safetensors + exit_heads.json
 
 
 class ExitHeads(torch.nn.Module):
@@ -60,45 +60,21 @@ class ExitHeads(torch.nn.Module):
         classifier = self.classifiers[str(layer)]
         return torch.sigmoid(classifier(hidden.to(classifier.weight.dtype)))[..., 0]
 
+    def describe_shape(self) -> dict:
+        return {"hidden_size": self.hidden_size, "layer_count": self.layer_count, "vocab_size": self.vocab_size}
+
     def check_fits(self, model) -> None:
         """A clear error if these heads were trained for a model of another shape."""
-        config = model.config
-        problems = []
-        if self.hidden_size != config.hidden_size:
-            problems.append(f"hidden size {self.hidden_size}, the model's is {config.hidden_size}")
-        if self.layer_count and self.layer_count != config.num_hidden_layers:
-            problems.append(f"{self.layer_count} layers, the model has {config.num_hidden_layers}")
-        if self.vocab_size and self.vocab_size != config.vocab_size:
-            problems.append(f"vocabulary {self.vocab_size}, the model's is {config.vocab_size}")
-        if problems:
-            raise ValueError(f"these exit heads (trained for {self.base_model or 'another model'}) do not fit this "
-                             f"model: {'; '.join(problems)}")
+        check_fits(self.describe_shape(), model, f"these exit heads (trained for {self.base_model or 'another model'})")
 
     def save(self, folder: Path) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({name: tensor.contiguous() for name, tensor in self.state_dict().items()}, folder / WEIGHTS_FILE)
-        (folder / CONFIG_FILE).write_text(json.dumps({
-            "layers": self.layers, "hidden_size": self.hidden_size, "rank": self.rank, "base_model": self.base_model,
-            "vocab_size": self.vocab_size, "layer_count": self.layer_count}, indent=1) + "\n")
+        save_heads(self, folder, NAME, {"layers": self.layers, "rank": self.rank, "base_model": self.base_model,
+                                        **self.describe_shape()})
 
     @classmethod
     def load(cls, folder, model=None) -> "ExitHeads":
         """Heads saved by `save`; with a model, checked to fit it and moved to its device."""
-        from safetensors.torch import load_file
-
-        folder = Path(folder).expanduser()
-        if not (folder / CONFIG_FILE).exists():
-            raise FileNotFoundError(f"no exit heads in {folder} (no {CONFIG_FILE}); train them with "
-                                    f"`accelgen train exit-heads --out {folder}`")
-        heads = cls(**json.loads((folder / CONFIG_FILE).read_text()))
-        heads.load_state_dict(load_file(folder / WEIGHTS_FILE))
-        if model is not None:
-            heads.check_fits(model)
-            heads.to(model.device)
-        return heads.eval()
+        return load_heads(cls, folder, NAME, "accelgen train exit-heads", model)
 
 
 @torch.no_grad()

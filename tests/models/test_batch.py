@@ -117,3 +117,17 @@ def test_a_runner_with_its_own_forward_is_not_batched(make_tiny_model):
     torch.testing.assert_close(together[0], exiting[1].forward(*block))
     torch.testing.assert_close(together[1], plain[1].forward(*block))
     assert exiting[0].layers_used == [1]
+
+
+def test_a_runner_keeping_hidden_states_forwards_alone_and_keeps_them(make_tiny_model):
+    """Medusa's drafter reads the target's last hidden states: its runner keeps them, also inside a batch."""
+    model = make_tiny_model("qwen2")
+    keeping, plain, reference = (runner_after(model, [5, 6, 7]) for _ in range(3))
+    keeping.keep_hidden = True
+    block = (torch.tensor([8, 9]), None, 2)
+    together = batched_forward([keeping, plain], [block, block])
+    torch.testing.assert_close(together[0], reference.forward(*block))
+    torch.testing.assert_close(together[1], together[0])
+    assert keeping.hidden.shape == (2, 64) and plain.hidden is None
+    with torch.inference_mode():
+        torch.testing.assert_close(model.lm_head(keeping.hidden).float(), together[0])

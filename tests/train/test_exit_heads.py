@@ -51,7 +51,7 @@ def test_saved_heads_load_onto_a_model_they_fit_and_no_other(four_layers, make_t
     loaded = ExitHeads.load(tmp_path / "heads", four_layers)
     state = hidden[1][:5]
     torch.testing.assert_close(loaded.adapt(1, state), heads.adapt(1, state))
-    with pytest.raises(ValueError, match="do not fit this model: 4 layers, the model has 2"):
+    with pytest.raises(ValueError, match="do not fit this model: layer count 4, the model.s is 2"):
         ExitHeads.load(tmp_path / "heads", make_tiny_model("qwen2", seed=6, layers=2))
     with pytest.raises(FileNotFoundError, match="accelgen train exit-heads"):
         ExitHeads.load(tmp_path / "nothing", four_layers)

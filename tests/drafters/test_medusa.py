@@ -1,0 +1,78 @@
+"""Medusa and blockwise drafting from heads trained for a few steps: token-for-token greedy decoding, with
+drafts partly accepted; untrained heads are (almost) never right; clear errors for missing or unfit heads."""
+
+import pytest
+import torch
+
+import accelgen
+from accelgen.train.layerskip import packed_windows
+from accelgen.train.medusa import MedusaHeads, final_hidden_states, train_medusa
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [5, 17, 923, 4410, 77, 12]
+
+
+@pytest.fixture(scope="module")
+def heads_folder(tiny_target, tokenizer, tmp_path_factory):
+    """Heads trained on the tiny target's own greedy continuations, so that they are right part of the time."""
+    texts = [tokenizer.decode(PROMPT + accelgen.generate(tiny_target, tokenizer, [start] + PROMPT[1:],
+                                                         max_new_tokens=40).token_ids) for start in range(5, 25)]
+    windows = packed_windows(tokenizer, texts, seq_len=24, count=20)
+    heads = train_medusa(tiny_target, windows, final_hidden_states(tiny_target, windows), 3, steps=150,
+                         batch_size=128, learning_rate=1e-2)
+    folder = tmp_path_factory.mktemp("medusa")
+    heads.save(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("method, options", [("blockwise", {}), ("medusa", {}),
+                                             ("medusa", {"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]})])
+def test_trained_heads_are_lossless_with_partial_acceptance(tiny_target, tokenizer, heads_folder, assert_lossless,
+                                                            method, options):
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, method, 40, heads=heads_folder, **options)
+    assert 0 < result.stats["acceptance_rate"] < 1
+
+
+def test_untrained_heads_are_lossless_too(tiny_target, tokenizer, assert_lossless, tmp_path):
+    MedusaHeads(2, 64, 49152).save(tmp_path / "untrained")
+    assert_lossless(tiny_target, tokenizer, PROMPT, "medusa", 12, heads=str(tmp_path / "untrained"), paths=[[0], [0, 0]])
+
+
+def test_a_short_budget_cuts_the_tree(tiny_target, tokenizer, heads_folder, assert_lossless):
+    for budget in (1, 2, 3):
+        assert_lossless(tiny_target, tokenizer, PROMPT, "medusa", budget, heads=heads_folder)
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({}, "needs trained Medusa heads"),
+    ({"paths": [[0, 0]]}, "needs its prefix \\[0\\]"),
+    ({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "guess only 3 tokens ahead"),
+])
+def test_bad_input_is_named(tiny_target, tokenizer, heads_folder, options, problem):
+    options = {"heads": heads_folder, **options} if options else {}
+    with pytest.raises(ValueError, match=problem):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, method="medusa", **options)
+
+
+def test_heads_of_another_model_are_refused(make_tiny_model, tokenizer, heads_folder):
+    wider = make_tiny_model("qwen2", seed=0, vocab_size=1000)
+    with pytest.raises(ValueError, match="medusa heads .* do not fit this model: vocabulary 49152"):
+        accelgen.generate(wider, tokenizer, [5, 6], method="blockwise", heads=heads_folder)
+
+
+def test_the_command_line_takes_heads(tiny_target, tokenizer, heads_folder, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from accelgen.cli import app
+
+    tiny_target.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    runs = {method: CliRunner().invoke(app, ["generate", "def add(a, b):", "--model", str(tmp_path / "tiny"), "-n", "12",
+                                             "--method", method, "--json", *(["--heads", heads_folder] if heads else [])])
+            for method, heads in (("autoregressive", False), ("medusa", True))}
+    assert all(run.exit_code == 0 for run in runs.values()), runs["medusa"].output
+    plain, medusa = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs.values())
+    assert medusa["token_ids"] == plain["token_ids"] and medusa["stats"]["target_forwards"] <= plain["stats"]["target_forwards"]
