@@ -10,7 +10,8 @@ target forward with tree attention. Greedy verification is exact, and the tests 
 
 The heads read the target's hidden states, which the runner keeps for them (`ModelRunner.keep_hidden`). A
 sequence drafting with them therefore takes a forward of its own in the server rather than a batched one.
-Sampling and Medusa's typical acceptance are not built: both methods are greedy only.
+Both are greedy only. `medusa-typical` drafts as `medusa` and verifies with Medusa's typical acceptance
+(verify/typical.py), which accepts more and is lossy by design; the benchmark reports its agreement.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from accelgen.drafters.draft_tree import shape_from_paths
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
 from accelgen.train.medusa import MedusaHeads
+from accelgen.verify.typical import check_typical_options, verify_typical
 
 # a small default tree for 4 heads (Medusa's choices are of this form): 3 first tokens, then fewer deeper;
 # fewer heads use the paths they reach
@@ -107,5 +109,27 @@ register(
         make_drafter=_make_medusa,
         needs=("heads",),
         options={"heads": None, "paths": None},
+    )
+)
+
+
+def _make_typical_verifier(sampling, *, epsilon, delta, **_):
+    check_typical_options(epsilon, delta)
+    return lambda draft, target_logits, generator: verify_typical(draft, target_logits, epsilon, delta)
+
+
+register(
+    MethodSpec(
+        name="medusa-typical",
+        family="speculative",
+        lossless="lossy",
+        paper="Cai et al. 2024, arXiv:2401.10774",
+        summary="Medusa's tree verified with typical acceptance: a drafted token passes if the target gives it more "
+                "than min(epsilon, delta·exp(-entropy))",
+        make_drafter=_make_medusa,
+        make_verifier=_make_typical_verifier,
+        needs=("heads",),
+        options={"heads": None, "paths": None, "epsilon": 0.09, "delta": 0.3},
+        greedy_only=True,
     )
 )

@@ -8,6 +8,8 @@ from accelgen.verify.bild import verify_bild
 from accelgen.verify.contrastive import check_contrastive_options, verify_contrastive
 from accelgen.verify.specdec import check_specdec_options, verify_specdec
 from accelgen.verify.spectr import verify_spectr
+from accelgen.verify.typical import check_typical_options, verify_typical
 
 __all__ = ["verify_block", "verify_greedy", "verify_speculative_sampling", "verify_without_replacement"]
 __all__ += ["check_contrastive_options", "check_specdec_options", "verify_bild", "verify_contrastive", "verify_specdec", "verify_spectr"]
+__all__ += ["check_typical_options", "verify_typical"]

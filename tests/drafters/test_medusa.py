@@ -76,3 +76,13 @@ def test_the_command_line_takes_heads(tiny_target, tokenizer, heads_folder, tmp_
     assert all(run.exit_code == 0 for run in runs.values()), runs["medusa"].output
     plain, medusa = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs.values())
     assert medusa["token_ids"] == plain["token_ids"] and medusa["stats"]["target_forwards"] <= plain["stats"]["target_forwards"]
+
+
+def test_typical_acceptance_accepts_more_than_greedy_and_is_measured(tiny_target, tokenizer, heads_folder):
+    chain = [[0], [0, 0], [0, 0, 0]]
+    greedy = accelgen.generate(tiny_target, tokenizer, PROMPT, method="medusa", max_new_tokens=40, heads=heads_folder,
+                               paths=chain)
+    typical = accelgen.generate(tiny_target, tokenizer, PROMPT, method="medusa-typical", max_new_tokens=40,
+                                heads=heads_folder, paths=chain, epsilon=0.0, delta=0.0)  # threshold 0: all pass
+    assert typical.stats["acceptance_rate"] == 1.0 > greedy.stats["acceptance_rate"]
+    assert typical.token_ids != greedy.token_ids
