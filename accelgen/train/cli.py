@@ -41,23 +41,16 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
         """LayerSkip: layer dropout rising with depth + an early-exit loss; exit accuracy per layer before and after."""
-        import torch
         from rich.table import Table
 
-        from accelgen.datastore_cli import dataset_texts
-        from accelgen.models import load_model
-        from accelgen.train.layerskip import LayerSkipConfig, exit_accuracy, packed_windows, train_layerskip
+        from accelgen.train.layerskip import LayerSkipConfig, exit_accuracy, train_layerskip
 
-        if threads:
-            torch.set_num_threads(threads)
         with reported_errors():
             config = LayerSkipConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, learning_rate=learning_rate,
                                      p_max=p_max, exit_scale=exit_scale, curriculum=curriculum, rotation=rotation,
                                      checkpoint_every=checkpoint_every)
-            with stderr.status(f"loading {model} …"):
-                target_model, tokenizer = load_model(model, dtype="float32")
-            with stderr.status("tokenizing …"):
-                windows = packed_windows(tokenizer, dataset_texts(dataset), seq_len, steps * batch_size + held_out)
+            target_model, tokenizer, windows = model_and_windows(model, "float32", dataset, seq_len,
+                                                                 steps * batch_size, held_out, threads)
             held, training = windows[:held_out], windows[held_out:]
             with stderr.status("exit accuracy before training …"):
                 before = exit_accuracy(target_model, held)
@@ -174,23 +167,12 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
         """Medusa heads (also for blockwise) on the frozen target's last hidden states; top-1/top-5 per head held out."""
-        import torch
         from rich.table import Table
 
-        from accelgen.datastore_cli import dataset_texts
-        from accelgen.models import load_model
-        from accelgen.train.layerskip import packed_windows
         from accelgen.train.medusa import evaluate_medusa, final_hidden_states, train_medusa
 
-        if threads:
-            torch.set_num_threads(threads)
         with reported_errors():
-            with stderr.status(f"loading {model} …"):
-                target_model, tokenizer = load_model(model, dtype=dtype)
-            with stderr.status("tokenizing …"):
-                data = packed_windows(tokenizer, dataset_texts(dataset), seq_len, windows + held_out)
-            if len(data) <= held_out:
-                raise ValueError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
+            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
             with stderr.status(f"hidden states of {data.numel():,} positions …"):
                 hidden = final_hidden_states(target_model, data)
             with progress_bar(steps) as show:
@@ -238,29 +220,37 @@ def progress_bar(steps: int):
 def hidden_states_for(model: str, dataset: str, layers: str | None, windows: int, held_out: int, seq_len: int,
                       threads: int | None):
     """(model, exit layers, hidden states for training, hidden states held out) for the exit trainers."""
+    from accelgen.exits.calm import check_exit_layers
+    from accelgen.train.exit_heads import collect_hidden_states
+
+    target_model, _, data = model_and_windows(model, "float32", dataset, seq_len, windows, held_out, threads)
+    count = target_model.config.num_hidden_layers
+    chosen = check_exit_layers(None if layers is None else layers.split(","), count)
+    if count - 1 in chosen:
+        raise ValueError(f"layer {count - 1} is the last layer: it needs no exit head")
+    with stderr.status(f"hidden states of {data.numel():,} positions at layers {chosen} …"):
+        return (target_model, chosen, collect_hidden_states(target_model, data[held_out:], chosen),
+                collect_hidden_states(target_model, data[:held_out], chosen))
+
+
+def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int, windows: int, held_out: int,
+                      threads: int | None):
+    """(model, tokenizer, windows + held_out packed windows of the dataset, the held-out ones first)."""
     import torch
 
     from accelgen.datastore_cli import dataset_texts
-    from accelgen.exits.calm import check_exit_layers
     from accelgen.models import load_model
-    from accelgen.train.exit_heads import collect_hidden_states
     from accelgen.train.layerskip import packed_windows
 
     if threads:
         torch.set_num_threads(threads)
     with stderr.status(f"loading {model} …"):
-        target_model, tokenizer = load_model(model, dtype="float32")
-    count = target_model.config.num_hidden_layers
-    chosen = check_exit_layers(None if layers is None else layers.split(","), count)
-    if count - 1 in chosen:
-        raise ValueError(f"layer {count - 1} is the last layer: it needs no exit head")
+        target_model, tokenizer = load_model(model, dtype=dtype)
     with stderr.status("tokenizing …"):
         data = packed_windows(tokenizer, dataset_texts(dataset), seq_len, windows + held_out)
     if len(data) <= held_out:
         raise ValueError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
-    with stderr.status(f"hidden states of {data.numel():,} positions at layers {chosen} …"):
-        return (target_model, chosen, collect_hidden_states(target_model, data[held_out:], chosen),
-                collect_hidden_states(target_model, data[:held_out], chosen))
+    return target_model, tokenizer, data
 
 
 def write_json(path: Path, content: dict) -> None:

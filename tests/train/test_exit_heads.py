@@ -85,5 +85,6 @@ def test_the_command_trains_evaluates_and_saves(make_tiny_model, tokenizer, tmp_
     assert [row["layer"] for row in json.loads((out / "evaluation.json").read_text())["layers"]] == [1, 2]
     assert ExitHeads.load(out).layers == [1, 2]
     last = CliRunner().invoke(app, ["train", "exit-heads", "--model", str(folder), "--dataset", f"jsonl:{texts}",
-                                    "--out", str(out), "--layers", "3"])
+                                    "--out", str(out), "--layers", "3", "--windows", "6", "--held-out", "2",
+                                    "--seq-len", "8"])
     assert last.exit_code == 2 and "needs no exit head" in last.output
