@@ -20,6 +20,7 @@ import torch
 
 from accelgen.draft import ROOT, Draft
 from accelgen.drafters.draft_tree import shape_from_paths
+from accelgen.models.layerwise import llama_decoder
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
 from accelgen.train.medusa import MedusaHeads
@@ -32,6 +33,7 @@ DEFAULT_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0
 
 class MedusaDrafter:
     def __init__(self, target_model, heads: MedusaHeads, paths: list[list[int]]):
+        llama_decoder(target_model, "drafting from the target's hidden states")  # the runner calls model.model
         self.lm_head = target_model.get_output_embeddings()
         self.heads = heads
         self.paths = sorted({tuple(path) for path in paths}, key=lambda path: (len(path), path))

@@ -60,7 +60,7 @@ class ModelRunner:
         if self.keep_hidden:  # the decoder, then its LM head on the rows asked for: what the causal LM does
             hidden = self.model.model(**inputs).last_hidden_state[0, -logits_for_last:]
             self.hidden = hidden
-            return self.model.lm_head(hidden).float()
+            return self.model.get_output_embeddings()(hidden).float()
         return self.model(**inputs, logits_to_keep=logits_for_last).logits[0].float()
 
     def _tree_mask(self, cached: int, tree: torch.Tensor) -> torch.Tensor:
