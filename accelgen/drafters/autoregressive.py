@@ -16,6 +16,11 @@ class NoDrafter:
         pass
 
 
+def no_drafter(target_model, **_) -> NoDrafter:
+    """make_drafter of methods that draft nothing (autoregressive, early exit)."""
+    return NoDrafter()
+
+
 register(
     MethodSpec(
         name="autoregressive",
@@ -23,6 +28,6 @@ register(
         lossless="distribution-exact",
         paper="-",
         summary="accelgen's own token-by-token loop with a KV cache; the reference every method is checked against",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
     )
 )

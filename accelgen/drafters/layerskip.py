@@ -11,19 +11,17 @@ during verification (the verifying forward recomputes them).
 
 from __future__ import annotations
 
-from accelgen.drafters.draft_model import DraftModelDrafter
-from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.drafters.self_speculative import _make as make_self_speculative
 from accelgen.registry import MethodSpec, register
 
 
-def _make(target_model, *, sampling, generator, exit_layer, gamma, gamma_schedule, max_gamma, **_):
+def _make(target_model, *, exit_layer, **options):
     layer_count = target_model.config.num_hidden_layers
     exit_layer = layer_count // 2 - 1 if exit_layer is None else exit_layer
     if not 0 <= exit_layer < layer_count - 1:
         raise ValueError(f"layerskip: exit_layer must be a layer below the last (0..{layer_count - 2}), got {exit_layer}")
     upper = list(range(exit_layer + 1, layer_count))
-    runner = LayerSkipRunner(target_model, skip_attention=upper, skip_mlp=upper)
-    return DraftModelDrafter(runner, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
+    return make_self_speculative(target_model, skip={"skip_attention": upper, "skip_mlp": upper}, **options)
 
 
 register(

@@ -45,7 +45,7 @@ def resolve_skip(model, skip) -> dict[str, list[int]]:
     raise ValueError(f"self-speculative: skip must be 'tuned', 'default' or a dict of layer lists, got {skip!r}")
 
 
-def _make(target_model, *, sampling, generator, draft_model=None, tokenizer=None, skip, gamma, gamma_schedule, max_gamma):
+def _make(target_model, *, sampling, generator, skip, gamma, gamma_schedule, max_gamma, **_):
     runner = LayerSkipRunner(target_model, **resolve_skip(target_model, skip))
     return DraftModelDrafter(runner, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
 

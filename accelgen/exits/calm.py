@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accelgen.drafters.autoregressive import NoDrafter
+from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, register
@@ -132,7 +132,7 @@ register(
         summary="each token leaves the layer stack once its confidence (softmax response, hidden-state saturation "
                 "or a trained classifier) passes a threshold, calibrated by Learn-then-Test; skipped layers' KV "
                 "from the copied state",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
         make_runner=make_runner,
         options={"measure": "softmax", "threshold": 0.9, "exit_layers": None, "heads": None},
     )

@@ -8,7 +8,7 @@ that probability as the confidence (and exit adapters, if the policy was trained
 
 from __future__ import annotations
 
-from accelgen.drafters.autoregressive import NoDrafter
+from accelgen.drafters.autoregressive import no_drafter
 from accelgen.exits.calm import make_runner
 from accelgen.registry import MethodSpec, register
 
@@ -28,7 +28,7 @@ register(
         paper="Zeng et al. 2024, arXiv:2312.11882",
         summary="exits where a policy trained with policy gradient says so, rewarded for accuracy on hard tokens "
                 "and for depth saved on easy ones",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
         make_runner=_make_runner,
         options={"heads": None, "threshold": 0.5},
         needs=("heads",),

@@ -10,7 +10,7 @@ batched with the next token, where a memory-bound forward makes a second row nea
 
 from __future__ import annotations
 
-from accelgen.drafters.autoregressive import NoDrafter
+from accelgen.drafters.autoregressive import no_drafter
 from accelgen.exits.calm import make_runner
 from accelgen.registry import MethodSpec, register
 
@@ -22,7 +22,7 @@ register(
         paper="Chen et al. 2023, arXiv:2312.04916 (EE-LLM)",
         summary="CALM's confidence exits, with the skipped layers' KV of an exited token recomputed in the next "
                 "forward together with the new token instead of copied",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
         make_runner=lambda model, **options: make_runner(model, propagation="recompute", **options),
         options={"measure": "softmax", "threshold": 0.9, "exit_layers": None, "heads": None},
     )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accelgen.drafters.autoregressive import NoDrafter
+from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.registry import MethodSpec, register
 
@@ -122,7 +122,7 @@ register(
         paper="Bae et al. 2023, arXiv:2310.05424",
         summary="one shallow exit or the full depth; exited tokens' deep layers run beside the next deep token "
                 "(synchronized parallel decoding); threshold fitted with a Beta mixture as it decodes",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
         make_runner=lambda model, **options: EarlyExitRunner(model, make_rule(model, **options),
                                                              propagation="synchronized"),
         options={"exit_layer": None, "threshold": "adaptive", "agreement": 0.9},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from accelgen.drafters.autoregressive import NoDrafter
+from accelgen.drafters.autoregressive import no_drafter
 from accelgen.exits.calm import check_exit_layers
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.registry import MethodSpec, register
@@ -46,7 +46,7 @@ register(
         lossless="lossy",
         paper="Sun et al. 2022, arXiv:2203.01670",
         summary="each token exits at a layer chosen by a fixed hash of its id: no confidence, no classifier",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
         make_runner=lambda model, **options: EarlyExitRunner(model, make_rule(model, **options)),
         options={"exit_layers": None},
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from accelgen.drafters.autoregressive import NoDrafter
+from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.registry import MethodSpec, register
 
@@ -55,7 +55,7 @@ register(
         paper="Del Corro et al. 2023, arXiv:2307.02628",
         summary="one depth per position for the whole batch, shrinking along the sequence by skipping lower "
                 "layers, so every computed layer's KV cache stays complete",
-        make_drafter=lambda target_model, **_: NoDrafter(),
+        make_drafter=no_drafter,
         make_runner=lambda model, **options: EarlyExitRunner(model, make_rule(model, **options)),
         options={"min_skip": 0, "max_skip": None, "horizon": 512},
     )

@@ -10,6 +10,8 @@ Supported: decoder layers of the Llama family shape (`input_layernorm`, `self_at
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import torch
 
 SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -42,3 +44,24 @@ def mlp_block(layer, hidden: torch.Tensor) -> torch.Tensor:
 def exit_logits(model, decoder, hidden: torch.Tensor) -> torch.Tensor:
     """Next-token logits read from any layer's hidden states (.., d): the final norm, then the LM head; float32."""
     return model.lm_head(decoder.norm(hidden)).float()
+
+
+def layer_outputs(model, decoder, token_ids: torch.Tensor,
+                  passed_over: Callable[[int], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+    """Each decoder layer's output (b, n, d) over whole sequences token_ids (b, n), without a cache (training and
+    evaluation of exits). passed_over(layer) -> (b,) bool: sequences whose input skips that layer (layer dropout)."""
+    token_ids = token_ids.to(model.device)
+    hidden = decoder.embed_tokens(token_ids)
+    length = token_ids.shape[1]
+    positions = torch.arange(length, device=model.device)[None]
+    blocked = torch.ones(length, length, dtype=torch.bool, device=model.device).triu(1)
+    mask = torch.zeros(length, length, dtype=hidden.dtype, device=model.device).masked_fill(blocked, torch.finfo(hidden.dtype).min)
+    walk = dict(attention_mask=mask[None, None], position_ids=positions,
+                position_embeddings=decoder.rotary_emb(hidden, positions))
+    for index, layer in enumerate(decoder.layers):
+        output = layer(hidden, **walk)
+        output = output[0] if isinstance(output, tuple) else output
+        if passed_over is not None:
+            output = torch.where(passed_over(index).to(model.device)[:, None, None], hidden, output)
+        hidden = output
+        yield hidden

@@ -25,9 +25,8 @@ from typing import Callable
 
 import torch
 
-from accelgen.models.layerwise import exit_logits, llama_decoder
+from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
 from accelgen.train.heads import check_fits, load_heads, save_heads
-from accelgen.train.layerskip import causal_mask
 
 NAME = "exit_heads"  # exit_heads.safetensors + exit_heads.json
 
@@ -84,14 +83,7 @@ def collect_hidden_states(model, windows: torch.Tensor, layers: list[int]) -> di
     wanted = sorted(set(layers) | {len(decoder.layers) - 1})
     collected: dict[int, list[torch.Tensor]] = {layer: [] for layer in wanted}
     for window in windows:
-        batch = window[None].to(model.device)
-        hidden = decoder.embed_tokens(batch)
-        positions = torch.arange(batch.shape[1], device=model.device)[None]
-        walk = dict(attention_mask=causal_mask(batch.shape[1], hidden.dtype).to(model.device), position_ids=positions,
-                    position_embeddings=decoder.rotary_emb(hidden, positions))
-        for index, layer in enumerate(decoder.layers):
-            output = layer(hidden, **walk)
-            hidden = output[0] if isinstance(output, tuple) else output
+        for index, hidden in enumerate(layer_outputs(model, decoder, window[None])):
             if index in collected:
                 collected[index].append(hidden[0].float().cpu())
     return {layer: torch.cat(states) for layer, states in collected.items()}

@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from accelgen.models.layerwise import exit_logits, llama_decoder
+from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
 
 TRAINER_FILE = "trainer.pt"  # optimizer state and step, beside the checkpointed model
 CURRICULA = ("rotational", "gradual")
@@ -96,28 +96,14 @@ def packed_windows(tokenizer, texts: Iterable[str], seq_len: int, count: int) ->
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, seq_len)[:count]
 
 
-def causal_mask(length: int, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, n, n) additive mask: each position sees itself and the ones before."""
-    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
-    return torch.zeros(length, length, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
-
-
 def layerskip_loss(model, windows: torch.Tensor, dropout_rates: list[float], weights: list[float],
                    generator: torch.Generator) -> tuple[torch.Tensor, dict[int, float]]:
     """The weighted early-exit loss over windows (b, n), with layer dropout; also each enabled layer's loss."""
     decoder = llama_decoder(model, "LayerSkip training")
-    windows = windows.to(model.device)
-    hidden = decoder.embed_tokens(windows)
-    positions = torch.arange(windows.shape[1], device=model.device)[None]
-    walk = dict(attention_mask=causal_mask(windows.shape[1], hidden.dtype).to(model.device), position_ids=positions,
-                position_embeddings=decoder.rotary_emb(hidden, positions))
-    targets = windows[:, 1:].reshape(-1)
-    total, per_layer = hidden.new_zeros(()), {}
-    for index, layer in enumerate(decoder.layers):
-        keep = torch.rand(windows.shape[0], generator=generator) >= dropout_rates[index]  # per sequence
-        output = layer(hidden, **walk)
-        output = output[0] if isinstance(output, tuple) else output
-        hidden = torch.where(keep.to(model.device)[:, None, None], output, hidden)
+    targets = windows[:, 1:].reshape(-1).to(model.device)
+    total, per_layer = 0.0, {}
+    dropped = lambda index: torch.rand(windows.shape[0], generator=generator) < dropout_rates[index]  # noqa: E731
+    for index, hidden in enumerate(layer_outputs(model, decoder, windows, passed_over=dropped)):
         if weights[index] > 0:
             logits = exit_logits(model, decoder, hidden[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
@@ -136,15 +122,8 @@ def exit_accuracy(model, windows: torch.Tensor, batch_size: int = 4) -> list[dic
     correct = agree = None
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size].to(model.device)
-        hidden = decoder.embed_tokens(batch)
-        positions = torch.arange(batch.shape[1], device=model.device)[None]
-        walk = dict(attention_mask=causal_mask(batch.shape[1], hidden.dtype).to(model.device), position_ids=positions,
-                    position_embeddings=decoder.rotary_emb(hidden, positions))
-        predictions = []
-        for layer in decoder.layers:
-            output = layer(hidden, **walk)
-            hidden = output[0] if isinstance(output, tuple) else output
-            predictions.append(exit_logits(model, decoder, hidden[:, :-1]).argmax(-1))
+        predictions = [exit_logits(model, decoder, hidden[:, :-1]).argmax(-1)
+                       for hidden in layer_outputs(model, decoder, batch)]
         targets, final = batch[:, 1:], predictions[-1]
         batch_correct = torch.stack([(p == targets).sum() for p in predictions])
         batch_agree = torch.stack([(p == final).sum() for p in predictions])

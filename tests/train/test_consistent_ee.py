@@ -61,13 +61,10 @@ def test_the_method_decodes_with_the_policy(four_layers, tokenizer, hidden, tmp_
         accelgen.generate(four_layers, tokenizer, PROMPT, method="consistent-ee")
 
 
-def test_the_command_trains_and_evaluates(make_tiny_model, tokenizer, tmp_path):
-    folder, texts = tmp_path / "tiny", tmp_path / "texts.jsonl"
-    make_tiny_model("qwen2", seed=9, layers=4).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    texts.write_text("".join(json.dumps({"text": f"row {i}: the quick brown fox"}) + "\n" for i in range(80)))
+def test_the_command_trains_and_evaluates(command_inputs, tmp_path):
+    folder, dataset = command_inputs(9, layers=4)
     out = tmp_path / "policy"
-    result = CliRunner().invoke(app, ["train", "consistent-ee", "--model", str(folder), "--dataset", f"jsonl:{texts}",
+    result = CliRunner().invoke(app, ["train", "consistent-ee", "--model", str(folder), "--dataset", dataset,
                                       "--out", str(out), "--layers", "1,2", "--windows", "6", "--held-out", "2",
                                       "--seq-len", "8", "--steps", "5", "--batch-size", "16"])
     assert result.exit_code == 0, result.output

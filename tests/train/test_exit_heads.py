@@ -72,19 +72,16 @@ def test_calm_with_the_classifier_measure(four_layers, tokenizer, trained, tmp_p
         accelgen.generate(four_layers, tokenizer, PROMPT, exit_layers=[0], **options)
 
 
-def test_the_command_trains_evaluates_and_saves(make_tiny_model, tokenizer, tmp_path):
-    folder, texts = tmp_path / "tiny", tmp_path / "texts.jsonl"
-    make_tiny_model("qwen2", seed=7, layers=4).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    texts.write_text("".join(json.dumps({"text": f"item {i}: the quick brown fox"}) + "\n" for i in range(80)))
+def test_the_command_trains_evaluates_and_saves(command_inputs, tmp_path):
+    folder, dataset = command_inputs(7, layers=4)
     out = tmp_path / "heads"
-    result = CliRunner().invoke(app, ["train", "exit-heads", "--model", str(folder), "--dataset", f"jsonl:{texts}",
+    result = CliRunner().invoke(app, ["train", "exit-heads", "--model", str(folder), "--dataset", dataset,
                                       "--out", str(out), "--layers", "1,2", "--windows", "6", "--held-out", "2",
                                       "--seq-len", "8", "--steps", "5", "--batch-size", "16", "--rank", "8"])
     assert result.exit_code == 0, result.output
     assert [row["layer"] for row in json.loads((out / "evaluation.json").read_text())["layers"]] == [1, 2]
     assert ExitHeads.load(out).layers == [1, 2]
-    last = CliRunner().invoke(app, ["train", "exit-heads", "--model", str(folder), "--dataset", f"jsonl:{texts}",
+    last = CliRunner().invoke(app, ["train", "exit-heads", "--model", str(folder), "--dataset", dataset,
                                     "--out", str(out), "--layers", "3", "--windows", "6", "--held-out", "2",
                                     "--seq-len", "8"])
     assert last.exit_code == 2 and "needs no exit head" in last.output

@@ -70,19 +70,16 @@ def test_a_resumed_run_ends_with_the_same_weights(make_tiny_model, tokenizer, tm
                         tmp_path / "resumed")
 
 
-def test_the_command_trains_reports_and_plots(make_tiny_model, tokenizer, tmp_path):
+def test_the_command_trains_reports_and_plots(command_inputs, tmp_path):
     import json
 
     from typer.testing import CliRunner
 
     from accelgen.cli import app
 
-    folder, texts = tmp_path / "tiny", tmp_path / "texts.jsonl"
-    make_tiny_model("qwen2", seed=5, layers=2).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    texts.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox"}) + "\n" for i in range(60)))
+    folder, dataset = command_inputs(5, layers=2)
     out = tmp_path / "trained"
-    result = CliRunner().invoke(app, ["train", "layerskip", "--model", str(folder), "--dataset", f"jsonl:{texts}",
+    result = CliRunner().invoke(app, ["train", "layerskip", "--model", str(folder), "--dataset", dataset,
                                       "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "8",
                                       "--held-out", "2", "--checkpoint-every", "2"])
     assert result.exit_code == 0, result.output

@@ -58,13 +58,10 @@ def test_saved_heads_load_only_onto_a_model_they_fit(trained, make_tiny_model, t
         MedusaHeads.load(tmp_path / "nothing")
 
 
-def test_the_command_trains_evaluates_and_saves(make_tiny_model, tokenizer, tmp_path):
-    folder, texts = tmp_path / "tiny", tmp_path / "texts.jsonl"
-    make_tiny_model("qwen2", seed=4).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    texts.write_text("".join(json.dumps({"text": f"entry {i}: the quick brown fox"}) + "\n" for i in range(80)))
+def test_the_command_trains_evaluates_and_saves(command_inputs, tmp_path):
+    folder, dataset = command_inputs(4)
     out = tmp_path / "heads"
-    result = CliRunner().invoke(app, ["train", "medusa", "--model", str(folder), "--dataset", f"jsonl:{texts}",
+    result = CliRunner().invoke(app, ["train", "medusa", "--model", str(folder), "--dataset", dataset,
                                       "--out", str(out), "--heads", "3", "--windows", "6", "--held-out", "2",
                                       "--seq-len", "12", "--steps", "5", "--batch-size", "16"])
     assert result.exit_code == 0, result.output
