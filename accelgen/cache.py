@@ -32,24 +32,35 @@ def cache_length(cache: DynamicCache) -> int:
     return 0
 
 
-def crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions."""
-    for layer in cache.layers:
+def layer_length(cache: DynamicCache, index: int) -> int:
+    """Positions held by one layer (layers may differ: early exit and LayerSkip fill the upper ones later)."""
+    layer = cache.layers[index]
+    return layer.keys.shape[-2] if layer.is_initialized else 0
+
+
+def crop(cache: DynamicCache, length: int, layers: range | None = None) -> None:
+    """Keep the first `length` positions (of the layers `layers`, default all)."""
+    for layer in _chosen(cache, layers):
         if layer.is_initialized:
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
 
 
-def compact(cache: DynamicCache, keep: torch.Tensor) -> None:
-    """Keep the positions `keep` (1-D, increasing), in that order: gathers an accepted tree path to the front.
+def compact(cache: DynamicCache, keep: torch.Tensor, layers: range | None = None) -> None:
+    """Keep the positions `keep` (1-D, increasing), in that order, of the layers `layers` (default all):
+    gathers an accepted tree path to the front.
 
     Example: 10 committed positions, then root at 10 and draft nodes at 11..14; accepting nodes 0 and 2
     keeps positions [0..10, 11, 13], so the cache again holds one contiguous accepted sequence.
     """
-    for layer in cache.layers:
+    for layer in _chosen(cache, layers):
         if layer.is_initialized:
             layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
             layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
+
+
+def _chosen(cache: DynamicCache, layers: range | None) -> list[DynamicLayer]:
+    return cache.layers if layers is None else [cache.layers[index] for index in layers]
 
 
 def gather(cache: DynamicCache, positions: list[torch.Tensor], config) -> DynamicCache:

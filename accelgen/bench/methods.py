@@ -190,6 +190,8 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
         "accepted_draft_tokens": stats["accepted_draft_tokens"],
         "draft_seconds": stats["draft_seconds"],
         "mean_layers": stats.get("mean_layers"),  # early exit: layers a decoded token went through
+        "hit_rate": stats.get("hit_rate"),  # ppd: tokens whose first layers a candidate had run
+        "compute": stats.get("compute"),  # ppd: layer-rows run, relative to plain decoding
     }
 
 

@@ -3,7 +3,7 @@ and the Leviathan et al. prediction for draft-model speculation. Pure functions 
 
 A record is one (prompt, method) run: prompt_id, category, method, new_tokens, seconds, token_ids,
 target_forwards, committed_per_step, draft_tokens, accepted_draft_tokens, draft_seconds (None when unknown),
-and where known mean_layers (early exit) and passed (HumanEval tests, with --execute).
+and where known mean_layers (early exit), hit_rate and compute (ppd) and passed (HumanEval tests, with --execute).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def summarize(records: list[dict]) -> dict:
         "agreement": fmean(r["agreement"] for r in compared) if compared else None,
         "rouge_l": fmean(r["rouge_l"] for r in compared) if compared else None,
         "mean_layers": mean_of(records, "mean_layers"),
+        "hit_rate": mean_of(records, "hit_rate"),
+        "compute": mean_of(records, "compute"),
         "pass_at_1": mean_of(records, "passed"),
         "alpha_per_token": None,  # filled in by aggregate() where a constant draft length is known
     }

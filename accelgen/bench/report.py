@@ -107,8 +107,9 @@ def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> li
 
 SUMMARY_COLUMNS = ("method", "lossless", "prompts", "new tokens", "time (s)", "tokens/s", "speedup (total)",
                    "speedup (geomean)", "τ", "acceptance", "draft share", "identical", "agreement", "ROUGE-L")
-# shown only where some method has them: early exit's mean depth, HumanEval's pass@1 (--execute)
-OPTIONAL_COLUMNS = {"mean_layers": "layers", "pass_at_1": "pass@1"}
+# shown only where some method has them: early exit's mean depth, PPD's candidate hits and compute (layer-rows
+# relative to plain decoding), HumanEval's pass@1 (--execute)
+OPTIONAL_COLUMNS = {"mean_layers": "layers", "hit_rate": "hits", "compute": "compute", "pass_at_1": "pass@1"}
 
 
 def markdown(results: dict) -> str:

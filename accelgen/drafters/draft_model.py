@@ -37,14 +37,15 @@ class DraftModelDrafter:
         confidence_threshold: float = 0.0,
         greedy_draft_probs: bool = False,
     ):
-        """draft_model: a model, or a ModelRunner over one (`self-speculative`: the target with layers skipped).
+        """draft_model: a model, or a runner over one (`self-speculative`: the target with layers skipped;
+        `layerskip`: the target's first layers, in the target's own cache).
         greedy_draft_probs: at temperature 0, also attach the draft model's distribution (softmax at
         temperature 1) at each drafted position, for verification rules that use it (`contrastive`)."""
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if gamma_schedule not in GAMMA_SCHEDULES:
             raise ValueError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
-        self.runner = draft_model if isinstance(draft_model, ModelRunner) else ModelRunner(draft_model)
+        self.runner = ModelRunner(draft_model) if isinstance(draft_model, torch.nn.Module) else draft_model
         self.sampling = sampling
         self.generator = generator
         self.gamma = gamma

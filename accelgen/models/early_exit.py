@@ -34,6 +34,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from accelgen import cache as kv
 from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
 from accelgen.models.runner import ModelRunner
 
@@ -79,9 +80,8 @@ class EarlyExitRunner(ModelRunner):
     def length(self) -> int:
         """Positions covered, read from the top layer, which every token writes (lower ones may be skipped),
         plus pending tokens whose top-layer entries are still to come."""
-        top = self.cache.layers[-1]
-        held = top.keys.shape[-2] if top.is_initialized else 0
-        return self.position_offset + held + (0 if self.pending is None else self.pending.hidden.shape[1])
+        waiting = 0 if self.pending is None else self.pending.hidden.shape[1]
+        return self.position_offset + kv.layer_length(self.cache, -1) + waiting
 
     def reset(self) -> None:
         super().reset()

@@ -41,6 +41,19 @@ def mlp_block(layer, hidden: torch.Tensor) -> torch.Tensor:
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
+def through_layers(decoder, layers, hidden: torch.Tensor, *, positions: torch.Tensor, mask, cache) -> torch.Tensor:
+    """hidden (1, m, d) at positions (1, m) through the decoder layers `layers` (indices, increasing), each
+    attending to its cache and, as `mask` allows ((1, 1, m, cached + m) additive, or None for one token),
+    to the m new tokens; every layer appends their keys and values to its cache."""
+    position_embeddings = decoder.rotary_emb(hidden, positions)
+    for index in layers:
+        layer = decoder.layers[index]
+        hidden = attention_block(layer, hidden, mask=mask, positions=positions, cache=cache,
+                                 position_embeddings=position_embeddings)
+        hidden = mlp_block(layer, hidden)
+    return hidden
+
+
 def exit_logits(model, decoder, hidden: torch.Tensor) -> torch.Tensor:
     """Next-token logits read from any layer's hidden states (.., d): the final norm, then the LM head; float32."""
     return model.lm_head(decoder.norm(hidden)).float()
