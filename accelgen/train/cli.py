@@ -207,8 +207,19 @@ def reported_errors():
 
 @contextlib.contextmanager
 def progress_bar(steps: int):
-    """Yields show(row, status_format): a training progress bar fed by the trainers' progress rows."""
+    """Yields show(row, status_format): a training progress bar fed by the trainers' progress rows; into a log
+    file (not a terminal), a plain line every tenth of the run instead."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not stderr.is_terminal:
+        every = max(1, steps // 10)
+
+        def show(row: dict, status: str) -> None:
+            if row["step"] % every == 0 or row["step"] == steps:
+                stderr.print(f"training {row['step']}/{steps}: {status.format(**row)}")
+
+        yield show
+        return
 
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[status]}"), TimeRemainingColumn())
