@@ -102,8 +102,10 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
 
 
 def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
-    """Needs neither provided by the run (e.g. a draft model) nor given as an option of the same name."""
-    return [need for need in method.needs if need not in resources and need not in options]
+    """Needs neither provided by the run (e.g. a draft model) nor given as an option of the same name
+    (with -o, or in a variant's name: consistent-ee@heads=FOLDER)."""
+    given = {**method.options, **options}
+    return [need for need in method.needs if need not in resources and given.get(need) is None]
 
 
 def resolve_methods(

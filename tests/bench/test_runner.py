@@ -175,6 +175,11 @@ def test_resolve_methods():
         methods.resolve_methods(["warp-drive"], set(), 0)
     with pytest.raises(ValueError, match="'speculative' needs draft_model"):
         methods.resolve_methods(["speculative"], set(), 0)
+    with pytest.raises(ValueError, match="'consistent-ee' needs heads"):
+        methods.resolve_methods(["consistent-ee"], set(), 0)
+    for given in (["consistent-ee@heads=policy"], ["consistent-ee"]):  # in the variant's name, or with -o
+        chosen, _ = methods.resolve_methods(given, set(), 0, {} if "@" in given[0] else {"consistent-ee": {"heads": "p"}})
+        assert chosen[1].name == given[0]
     with pytest.raises(ValueError, match="options given for 'speculative'"):
         methods.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
 
