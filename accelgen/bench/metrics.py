@@ -27,12 +27,13 @@ def compare_with_baseline(records: list[dict], greedy: bool) -> list[dict]:
     for record in records:
         base = baseline.get(record["prompt_id"])
         speedup = base["seconds"] / record["seconds"] if base and record["seconds"] > 0 else None
+        baseline_tokens = base["new_tokens"] if base else None
         checked = base is not None and greedy  # sampled outputs are not expected to match
         identical = record["token_ids"] == base["token_ids"] if checked else None
         agreement = token_agreement(base["token_ids"], record["token_ids"]) if checked else None
         overlap = rouge_l(base["token_ids"], record["token_ids"]) if checked else None
-        compared.append({**record, "speedup": speedup, "identical": identical, "agreement": agreement,
-                         "rouge_l": overlap})
+        compared.append({**record, "speedup": speedup, "baseline_tokens": baseline_tokens, "identical": identical,
+                         "agreement": agreement, "rouge_l": overlap})
     return compared
 
 
@@ -51,6 +52,8 @@ def summarize(records: list[dict]) -> dict:
         "tokens_per_second": new_tokens / seconds if seconds > 0 else None,
         "speedup_total": baseline_seconds / own_seconds if own_seconds > 0 else None,
         "speedup_geomean": geometric_mean([r["speedup"] for r in with_speedup]),
+        # tokens/s against the baseline's on the same prompts: a lossy method's output may be longer or shorter
+        "speedup_per_token": per_token_speedup(with_speedup, baseline_seconds),
         "tau": ratio(records, "new_tokens", "target_forwards"),
         "acceptance_rate": ratio(records, "accepted_draft_tokens", "draft_tokens"),
         "draft_share": ratio(records, "draft_seconds", "seconds"),
@@ -86,6 +89,15 @@ def aggregate(records: list[dict], method_order: list[str], gammas: dict[str, in
                 summary["alpha_per_token"] = per_token_acceptance(own, gammas[method])
             result[scope][method] = summary
     return result
+
+
+def per_token_speedup(records: list[dict], baseline_seconds: float) -> float | None:
+    """(own tokens / own seconds) / (baseline tokens / baseline seconds) over records with a baseline."""
+    own_tokens, own_seconds = sum(r["new_tokens"] for r in records), sum(r["seconds"] for r in records)
+    baseline_tokens = sum(r["baseline_tokens"] for r in records)
+    if not own_tokens or not own_seconds or not baseline_tokens or not baseline_seconds:
+        return None
+    return (own_tokens / own_seconds) / (baseline_tokens / baseline_seconds)
 
 
 def mean_of(records: list[dict], key: str) -> float | None:

@@ -29,7 +29,7 @@ def speedup_plot(aggregates: dict, methods: list[str], path: Path) -> Path:
         ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in values], fontsize=7, padding=1)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(x, scopes, rotation=30 if len(scopes) > 4 else 0, ha="right" if len(scopes) > 4 else "center")
-    ax.set_ylabel(f"speedup vs {BASELINE} (total time ratio)")
+    ax.set_ylabel(f"speedup vs {BASELINE} (tokens/s ratio)")
     ax.set_title("Speedup per category")
     if shown:
         ax.legend(fontsize=8)
@@ -68,15 +68,16 @@ def tau_plot(records: list[dict], methods: list[str], path: Path) -> Path:
 
 
 def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
-    """Speedup against agreement with the baseline, one point per method; variants of one method
+    """Speedup per generated token against agreement with the baseline, one point per method (a lossy method's
+    output may be longer or shorter than the baseline's, so tokens/s is what compares); variants of one method
     (name@option=value) are joined by a line, in order of agreement."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     families: dict[str, list[str]] = {}
     for method in methods:
         families.setdefault(method.partition(VARIANT)[0], []).append(method)
     for family, members in families.items():
-        points = sorted((summaries[m]["agreement"], summaries[m]["speedup_total"], m) for m in members
-                        if m in summaries and summaries[m]["agreement"] is not None and summaries[m]["speedup_total"])
+        points = sorted((summaries[m]["agreement"], summaries[m]["speedup_per_token"], m) for m in members
+                        if m in summaries and summaries[m]["agreement"] is not None and summaries[m]["speedup_per_token"])
         if not points:
             continue
         agreement, speedup, names = zip(*points)
@@ -85,7 +86,7 @@ def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
             ax.annotate(name.partition(VARIANT)[2] or name, (100 * a, v), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xlabel(f"agreement with {BASELINE} (% of positions)")
-    ax.set_ylabel(f"speedup vs {BASELINE} (total time ratio)")
+    ax.set_ylabel(f"speedup vs {BASELINE} (tokens/s ratio)")
     ax.set_title("Lossy methods: speed against agreement")
     ax.legend(fontsize=8)
     fig.tight_layout()

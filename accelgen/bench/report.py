@@ -107,9 +107,11 @@ def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> li
 
 SUMMARY_COLUMNS = ("method", "lossless", "prompts", "new tokens", "time (s)", "tokens/s", "speedup (total)",
                    "speedup (geomean)", "τ", "acceptance", "draft share", "identical", "agreement", "ROUGE-L")
-# shown only where some method has them: early exit's mean depth, PPD's candidate hits and compute (layer-rows
-# relative to plain decoding), HumanEval's pass@1 (--execute)
-OPTIONAL_COLUMNS = {"mean_layers": "layers", "hit_rate": "hits", "compute": "compute", "pass_at_1": "pass@1"}
+# shown only where they say something: the speedup per generated token where lossy methods change the output's
+# length, early exit's mean depth, PPD's candidate hits and compute (layer-rows relative to plain decoding),
+# HumanEval's pass@1 (--execute)
+OPTIONAL_COLUMNS = {"speedup_per_token": "speedup (per token)", "mean_layers": "layers", "hit_rate": "hits",
+                    "compute": "compute", "pass_at_1": "pass@1"}
 
 
 def markdown(results: dict) -> str:
@@ -176,7 +178,10 @@ def warning_line(warning: dict) -> str:
 
 
 def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
-    optional = [key for key in OPTIONAL_COLUMNS if any(s[key] is not None for s in summaries.values())]
+    lossy = any(methods[name]["lossless"] not in LOSSLESS for name in summaries)
+    optional = [key for key in OPTIONAL_COLUMNS if (lossy if key == "speedup_per_token"
+                                                    else any(s[key] is not None for s in summaries.values()))]
+    shown = {"speedup_per_token": times, "mean_layers": lambda value: num(value, 1)}
     rows = []
     for name, s in summaries.items():
         identical = f"{s['identical']}/{s['compared']}" if greedy and s["compared"] else "n/a"
@@ -186,7 +191,7 @@ def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
                      num(s["tokens_per_second"], 2), times(s["speedup_total"]), times(s["speedup_geomean"]),
                      num(s["tau"], 2), num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical,
                      percent(s["agreement"]), num(s["rouge_l"], 3)]
-                    + [num(s["mean_layers"], 1) if key == "mean_layers" else percent(s[key]) for key in optional])
+                    + [shown.get(key, percent)(s[key]) for key in optional])
     return table(SUMMARY_COLUMNS + tuple(OPTIONAL_COLUMNS[key] for key in optional), rows)
 
 

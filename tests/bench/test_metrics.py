@@ -33,6 +33,13 @@ def test_speedup_total_and_geomean_and_identical():
     assert summary["tokens_per_second"] == pytest.approx(4 / 5)
 
 
+def test_speedup_per_token_counts_a_longer_or_shorter_output():
+    records = [record("p1", "hf-greedy", 2.0, tokens=(1, 2)), record("p1", "lossy", 4.0, tokens=(1, 5, 6, 7, 8, 9))]
+    lossy = metrics.summarize([r for r in metrics.compare_with_baseline(records, greedy=True) if r["method"] == "lossy"])
+    assert lossy["speedup_total"] == 0.5  # twice the time ...
+    assert lossy["speedup_per_token"] == pytest.approx(1.5)  # ... for three times the tokens
+
+
 def test_sampling_runs_are_not_compared_for_identity():
     records = [record("p1", "hf-greedy", 2.0), record("p1", "fast", 1.0, tokens=(9,))]
     compared = metrics.compare_with_baseline(records, greedy=False)
