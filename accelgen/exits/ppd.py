@@ -72,10 +72,10 @@ class PipelinedRunner(ModelRunner):
             hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])
         lower = range(start, self.pipeline_layer + 1)
         hidden = through_layers(self.decoder, lower, hidden, positions=self._at(position), mask=None, cache=self.cache)
-        if start <= self.pipeline_layer:  # the exit at pipeline_layer starts the next token's candidates
-            guesses = exit_logits(self.model, self.decoder, hidden)[0, 0].topk(self.candidate_count).indices
-            self._start_candidates(guesses.tolist(), position + 1)
-        upper = range(max(start, self.pipeline_layer + 1), self.layer_count)
+        # the exit at pipeline_layer starts the next token's candidates (start never passes it: precomputed <= it)
+        guesses = exit_logits(self.model, self.decoder, hidden)[0, 0].topk(self.candidate_count).indices
+        self._start_candidates(guesses.tolist(), position + 1)
+        upper = range(self.pipeline_layer + 1, self.layer_count)
         hidden = through_layers(self.decoder, upper, hidden, positions=self._at(position), mask=None, cache=self.cache)
         self.critical_layers.append(self.layer_count - start)
         return exit_logits(self.model, self.decoder, hidden)[0]
