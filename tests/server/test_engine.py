@@ -111,6 +111,23 @@ def test_batched_requests_match_each_request_alone(tiny_target, tokenizer, prefi
         assert set(decoding_caps) == {6} and speculative["mean_accepted_tokens"] >= 4  # gamma 4: 5 tokens a step
 
 
+def test_methods_with_a_forward_of_their_own_share_a_batch(make_tiny_model, tokenizer):
+    """Early exit, LayerSkip's shared cache and PPD run their own forwards beside the batch; each request still
+    gets what it gets alone, with long prompts prefilled in chunks."""
+    model = make_tiny_model("qwen2", seed=5, layers=4)
+    requests = [("skipdecode", {"horizon": 16}), ("layerskip", {"exit_layer": 1}), ("ppd", {}),
+                ("calm", {"threshold": 0.5})]
+    engine = Engine(max_batch=4, prefill_chunk=16, speculation=TokenBudget(0))
+    expected, collectors = [], []
+    for prompt, (method, options) in zip(PROMPTS, requests):
+        kwargs = dict(method=method, max_new_tokens=16, **options)
+        expected.append(accelgen.generate(model, tokenizer, prompt, **kwargs))
+        collectors.append(submit(engine, model, tokenizer, prompt, **kwargs)[1])
+    run_until_idle(engine)
+    assert [c.result.token_ids for c in collectors] == [e.token_ids for e in expected]
+    assert collectors[0].result.stats["mean_layers"] < 4  # skipdecode did skip
+
+
 def test_random_draft_rejected_in_a_batch_is_still_lossless(tiny_target, tiny_draft, tokenizer):
     engine = Engine(max_batch=4, speculation=TokenBudget(0))
     expected, collectors = [], []
