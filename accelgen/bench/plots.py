@@ -29,7 +29,7 @@ def speedup_plot(aggregates: dict, methods: list[str], path: Path) -> Path:
         ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in values], fontsize=7, padding=1)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(x, scopes, rotation=30 if len(scopes) > 4 else 0, ha="right" if len(scopes) > 4 else "center")
-    ax.set_ylabel(f"speedup vs {BASELINE} (tokens/s ratio)")
+    ax.set_ylabel(f"speedup vs {BASELINE} (total time ratio)")
     ax.set_title("Speedup per category")
     if shown:
         ax.legend(fontsize=8)
