@@ -46,8 +46,8 @@ def generate(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id, local folder or .gguf file."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model, for methods that need one."),
     method: str = typer.Option("autoregressive", "--method", help="A method from `accelgen methods`."),
-    heads: Optional[str] = typer.Option(None, "--heads", help="Trained heads folder, for methods that take heads "
-                                                              "(medusa, blockwise, calm, consistent-ee); = -o heads=..."),
+    heads: Optional[str] = typer.Option(None, "--heads", "--head", help="Trained heads folder, for methods that take "
+                                        "heads (medusa, blockwise, eagle, calm, consistent-ee); = -o heads=..."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k"),
@@ -193,6 +193,26 @@ _register_train(app)
 from accelgen.server.cli import register as _register_server  # noqa: E402
 
 _register_server(app)
+
+export_app = typer.Typer(no_args_is_help=True, help="Export trained drafters for other runtimes.")
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("vllm")
+def export_vllm(
+    head: str = typer.Argument(..., help="An EAGLE head folder (`accelgen train eagle --out ...`)."),
+    out: str = typer.Option(..., "--out", "-o", help="Folder for the vLLM checkpoint (config.json, model.safetensors)."),
+):
+    """An EAGLE head in the checkpoint layout vLLM's speculative config loads (method "eagle")."""
+    from accelgen.export import export_vllm_eagle
+
+    try:
+        written = export_vllm_eagle(head, out)
+    except (ValueError, FileNotFoundError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2)
+    console.print(f"wrote {', '.join(path.name for path in written)} to {out}; in vLLM: LLM(model=TARGET, "
+                  f"speculative_config={{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}})")
 
 
 @app.command()

@@ -49,3 +49,20 @@ def test_keep_with_contiguous_rows_is_a_crop(tiny_target):
     runner.forward(torch.tensor([1, 2, 3, 4, 5]))
     runner.keep(2, [0, 1])
     assert runner.length == 4
+
+
+def test_kept_hidden_states_follow_the_cache(tiny_target):
+    """With keep_hidden, the runner holds the final hidden state of every cached position, rolled back with it."""
+    from accelgen.draft import tree_attention
+
+    runner = ModelRunner(tiny_target)
+    runner.keep_hidden = True
+    runner.forward(torch.tensor([5, 9, 13]))
+    runner.forward(torch.tensor([40, 41, 42, 43, 44]), tree_attention(torch.tensor([-1, 0, -1, 2])))
+    runner.keep(3, [0, 3, 4])  # root 40, then the path c(43) ─ d(44)
+    with torch.no_grad():
+        expected = tiny_target.model(input_ids=torch.tensor([[5, 9, 13, 40, 43, 44]])).last_hidden_state[0]
+    assert runner.hidden.shape == (6, 64)
+    torch.testing.assert_close(runner.hidden, expected, rtol=1e-4, atol=1e-4)
+    runner.keep(4, [])
+    assert runner.hidden.shape == (4, 64)

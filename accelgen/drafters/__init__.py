@@ -6,4 +6,4 @@ from accelgen.drafters import universal  # noqa: F401
 from accelgen.drafters import self_speculative, layerskip  # noqa: F401
 from accelgen.drafters import spectr, specdec, contrastive, bild  # noqa: F401
 from accelgen.drafters import auto  # noqa: F401
-from accelgen.drafters import medusa  # noqa: F401
+from accelgen.drafters import medusa, eagle  # noqa: F401

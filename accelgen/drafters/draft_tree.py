@@ -1,4 +1,5 @@
-"""Token trees from a draft model, shared by `specinfer` and `mcsd`: one batched draft forward per depth level.
+"""Token trees from a draft model, shared by `specinfer`, `mcsd`, `spectr` and `eagle`: one batched draft
+forward per depth level.
 
 The tree grows level by level. A *plan* says which nodes of the deepest level get children and how many;
 one tree forward of the draft model scores the planned nodes (with their ancestors, under tree attention),
@@ -25,6 +26,10 @@ The draft cache holds the context (root included). Level 1 comes from the root's
 forward over [a, b] with a tree mask (a and b do not see each other); the leaves c, d need no forward.
 The runner's tree mask lets new tokens see the whole cache, so the draft tree is never left in the cache:
 each level re-scores the planned nodes' ancestors, and the cache is cut back to the context right away.
+
+What scores the tree is a *scorer*: `root_logits(context)` (None when it cannot draft yet) and
+`score(tokens, parents, nodes)`. `DraftModelScorer` runs a draft model; the EAGLE head (drafters/eagle.py) is
+another.
 """
 
 from __future__ import annotations
@@ -37,11 +42,58 @@ from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 
 
+class DraftModelScorer:
+    """Draft logits from a draft model: at the root, after catching its cache up with the context, and after
+    any tree nodes (one tree forward over them and their ancestors, then the cache is back at the context)."""
+
+    def __init__(self, draft_model):
+        self.runner = ModelRunner(draft_model)
+        self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds: the committed context
+
+    @property
+    def max_positions(self) -> int:
+        return self.runner.max_positions
+
+    def root_logits(self, context: list[int]) -> torch.Tensor:
+        """(vocab,) the draft's logits after the whole context."""
+        logits = catch_up(self.runner, self.cached_tokens, context)
+        self.cached_tokens = list(context)
+        return logits
+
+    def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(nodes), vocab) draft logits after each of nodes: one tree forward over nodes and their ancestors.
+
+        Example: parents [-1, -1, 0, 1], nodes [2]: the forward covers nodes [0, 2] as the chain a ─ c.
+        """
+        kept, kept_parents = with_ancestors(parents, nodes)
+        tree = tree_attention(kept_parents)[1:, 1:]  # (m, m); the root is already in the cache
+        logits = self.runner.forward(torch.tensor([tokens[node] for node in kept]), tree)  # (m, vocab)
+        self.runner.keep(len(self.cached_tokens), [])  # forget the draft tree: back to the context
+        return logits[[kept.index(node) for node in nodes]]
+
+
+def with_ancestors(parents: list[int], nodes: list[int]) -> tuple[list[int], torch.Tensor]:
+    """(nodes and all their ancestors in node order, their parents renumbered within that list).
+
+    Example: parents [-1, -1, 0, 1], nodes [2] -> ([0, 2], tensor([-1, 0])).
+    """
+    needed = set()
+    for node in nodes:
+        while node != ROOT and node not in needed:
+            needed.add(node)
+            node = parents[node]
+    kept = sorted(needed)  # parents still come first
+    position = {node: i for i, node in enumerate(kept)}
+    return kept, torch.tensor([position.get(parents[node], ROOT) for node in kept], dtype=torch.long)
+
+
 class DraftTreeDrafter:
-    def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, *,
+    def __init__(self, scorer, sampling: SamplingConfig, generator: torch.Generator | None, *,
                  branching: list[int] | None = None, paths: list[list[int]] | None = None, width: int = 0,
                  depth: int = 0, max_nodes: int = 0, replacement: bool = True):
-        """Static tree: branching (children per node at each depth) or paths. Dynamic: width, depth, max_nodes."""
+        """Trees scored by `scorer` (a DraftModelScorer, or anything with its `max_positions`, `root_logits` and
+        `score`). Static tree: branching (children per node at each depth) or paths. Dynamic: width, depth,
+        max_nodes."""
         if paths:
             self.shape = shape_from_paths(paths)
         elif branching is not None:
@@ -50,12 +102,11 @@ class DraftTreeDrafter:
             raise ValueError(f"a dynamic tree needs width, depth and max_nodes >= 1, got {width}, {depth}, {max_nodes}")
         else:
             self.shape = None
-        self.runner = ModelRunner(draft_model)
+        self.scorer = scorer
         self.sampling = sampling
         self.generator = generator
         self.width, self.depth, self.max_nodes = width, depth, max_nodes
         self.replacement = replacement
-        self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds: the committed context
 
     @property
     def dynamic(self) -> bool:
@@ -63,7 +114,7 @@ class DraftTreeDrafter:
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         depth = self.depth if self.dynamic else max(map(len, self.shape)) + 1
-        depth = min(depth, self.runner.max_positions - len(context))  # the draft model's own context limit
+        depth = min(depth, self.scorer.max_positions - len(context))  # the draft model's own context limit
         if self.dynamic:
             max_nodes = min(max_nodes, self.max_nodes)
         if depth <= 0 or max_nodes <= 0:
@@ -83,7 +134,13 @@ class DraftTreeDrafter:
             if not plan:
                 break
             nodes = [node for node, _ in plan]
-            logits = self._catch_up(context.tolist())[None] if level == 0 else self._score(tokens, parents, nodes)
+            if level == 0:
+                logits = self.scorer.root_logits(context.tolist())
+                if logits is None:  # the scorer cannot draft yet (EAGLE before the target's first features)
+                    return Draft.empty()
+                logits = logits[None]
+            else:
+                logits = self.scorer.score(tokens, parents, nodes)
             frontier = []
             for (node, count), node_logits in zip(plan, logits):
                 base = log_probs[node] if node != ROOT else 0.0
@@ -97,6 +154,11 @@ class DraftTreeDrafter:
         draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
                       None if self.sampling.greedy else torch.stack(rows))
         return _most_probable(draft, log_probs, max_nodes) if rerank else draft
+
+    def attach(self, target: ModelRunner) -> None:
+        attach = getattr(self.scorer, "attach", None)  # a scorer that reads the target's hidden states (EAGLE)
+        if attach is not None:
+            attach(target)
 
     def update(self, draft, verdict, target_logits) -> None:
         pass  # the next proposal rolls the draft cache back to the committed context
@@ -126,29 +188,6 @@ class DraftTreeDrafter:
             if not self.replacement:
                 left[token] = 0.0
         return drawn
-
-    def _catch_up(self, context: list[int]) -> torch.Tensor:
-        logits = catch_up(self.runner, self.cached_tokens, context)
-        self.cached_tokens = list(context)
-        return logits
-
-    def _score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
-        """(len(nodes), vocab) draft logits after each of nodes: one tree forward over nodes and their ancestors.
-
-        Example: parents [-1, -1, 0, 1], nodes [2]: the forward covers nodes [0, 2] as the chain a ─ c.
-        """
-        needed = set()
-        for node in nodes:
-            while node != ROOT and node not in needed:
-                needed.add(node)
-                node = parents[node]
-        kept = sorted(needed)  # parents still come first
-        position = {node: i for i, node in enumerate(kept)}
-        kept_parents = torch.tensor([position.get(parents[node], ROOT) for node in kept], dtype=torch.long)
-        tree = tree_attention(kept_parents)[1:, 1:]  # (m, m); the root is already in the cache
-        logits = self.runner.forward(torch.tensor([tokens[node] for node in kept]), tree)  # (m, vocab)
-        self.runner.keep(len(self.cached_tokens), [])  # forget the draft tree: back to the context
-        return logits[[position[node] for node in nodes]]
 
 
 def shape_from_branching(branching: list[int]) -> dict[tuple[int, ...], int]:

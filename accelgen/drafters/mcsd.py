@@ -11,7 +11,7 @@ top-k tokens and keeps the longest path the target agrees with.
 from __future__ import annotations
 
 from accelgen.drafters.draft_model import check_vocabularies
-from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.generate import default_verifier
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import logits_to_probs
@@ -20,7 +20,8 @@ from accelgen.verify import verify_without_replacement
 
 def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, branching, replacement):
     check_vocabularies(target_model, draft_model)
-    return DraftTreeDrafter(draft_model, sampling, generator, branching=branching, replacement=replacement)
+    return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator, branching=branching,
+                            replacement=replacement)
 
 
 def _make_verifier(sampling, *, replacement, **_options):

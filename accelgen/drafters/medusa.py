@@ -62,8 +62,7 @@ class MedusaDrafter:
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)).truncated(max_nodes)
 
     def update(self, draft: Draft, verdict, target_logits: torch.Tensor) -> None:
-        row = verdict.accepted[-1] + 1 if verdict.accepted else 0  # the row whose logits chose the new root
-        self.next_hidden = self.target.hidden[row]
+        self.next_hidden = self.target.hidden[-1]  # the last cached row: its logits chose the new root
 
 
 def load(target_model, heads) -> MedusaHeads:

@@ -11,7 +11,7 @@ children of a node are drawn i.i.d. from the draft distribution (the default ver
 from __future__ import annotations
 
 from accelgen.drafters.draft_model import check_vocabularies
-from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.registry import MethodSpec, register
 
 
@@ -19,8 +19,9 @@ def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, bra
           depth, max_nodes):
     check_vocabularies(target_model, draft_model)
     if dynamic:
-        return DraftTreeDrafter(draft_model, sampling, generator, width=width, depth=depth, max_nodes=max_nodes)
-    return DraftTreeDrafter(draft_model, sampling, generator, branching=branching, paths=paths)
+        return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator, width=width, depth=depth,
+                                max_nodes=max_nodes)
+    return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator, branching=branching, paths=paths)
 
 
 register(

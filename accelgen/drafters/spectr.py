@@ -11,7 +11,7 @@ greedily, and greedy matching keeps the longest path the target agrees with.
 from __future__ import annotations
 
 from accelgen.drafters.draft_model import check_vocabularies
-from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.generate import default_verifier
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import logits_to_probs
@@ -27,8 +27,9 @@ def _check(num_drafts, gamma) -> None:
 def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, num_drafts, gamma):
     _check(num_drafts, gamma)
     check_vocabularies(target_model, draft_model)
-    return DraftTreeDrafter(draft_model, sampling, generator, branching=[num_drafts] + [1] * (gamma - 1),
-                            replacement=True)  # K-SEQ needs i.i.d. sequences: duplicates included
+    # K-SEQ needs i.i.d. sequences: duplicates included
+    return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator,
+                            branching=[num_drafts] + [1] * (gamma - 1), replacement=True)
 
 
 def _make_verifier(sampling, *, num_drafts, gamma):

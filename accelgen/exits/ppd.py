@@ -26,7 +26,7 @@ import torch
 from accelgen import cache as kv
 from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.layerwise import exit_logits, llama_decoder, through_layers
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import ModelRunner, additive_mask
 from accelgen.registry import MethodSpec, register
 
 
@@ -92,7 +92,7 @@ class PipelinedRunner(ModelRunner):
         but not each other."""
         k = len(tokens)
         hidden = self.decoder.embed_tokens(torch.tensor([tokens], device=self.device))
-        mask = self._tree_mask(position, torch.eye(k, dtype=torch.bool))
+        mask = additive_mask(position, torch.eye(k, dtype=torch.bool), self.dtype, self.device)
         positions = torch.full((1, k), position, device=self.device)
         hidden = through_layers(self.decoder, range(self.precomputed), hidden, positions=positions, mask=mask,
                                 cache=self.cache)

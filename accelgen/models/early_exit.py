@@ -36,7 +36,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import ModelRunner, additive_mask
 
 
 class ExitRule(Protocol):
@@ -174,8 +174,9 @@ class EarlyExitRunner(ModelRunner):
             mask = None  # one query sees the whole cache; several need a causal mask over the cache + themselves
             if len(positions) > 1:
                 cached = self.cache.layers[index]
-                mask = self._tree_mask(cached.keys.shape[-2] if cached.is_initialized else 0,
-                                       torch.ones(len(positions), len(positions), dtype=torch.bool).tril())
+                causal = torch.ones(len(positions), len(positions), dtype=torch.bool).tril()
+                mask = additive_mask(cached.keys.shape[-2] if cached.is_initialized else 0, causal, self.dtype,
+                                     self.device)
             return mlp_block(layer, attention_block(layer, state, mask=mask, **rotary))
 
         return through

@@ -19,7 +19,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.models.layerwise import exit_logits, llama_decoder, through_layers
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import ModelRunner, additive_mask
 
 
 class ExitDraftRunner(ModelRunner):
@@ -90,7 +90,8 @@ class ExitDraftRunner(ModelRunner):
         """hidden (1, m, d) of positions start.. through `layers`, whose caches hold `start` positions each."""
         m = hidden.shape[1]
         positions = torch.arange(start, start + m, device=self.device)[None]
-        mask = None if m == 1 else self._tree_mask(start, torch.ones(m, m, dtype=torch.bool).tril())
+        causal = torch.ones(m, m, dtype=torch.bool).tril()
+        mask = None if m == 1 else additive_mask(start, causal, self.dtype, self.device)
         return through_layers(self.decoder, layers, hidden, positions=positions, mask=mask, cache=self.cache)
 
 

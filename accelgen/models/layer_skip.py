@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import ModelRunner, additive_mask
 
 
 class LayerSkipRunner(ModelRunner):
@@ -32,7 +32,7 @@ class LayerSkipRunner(ModelRunner):
         if tree is None:
             tree = torch.ones(m, m, dtype=torch.bool).tril()
         positions = (start + tree.sum(dim=-1) - 1)[None].to(self.device)
-        mask = self._tree_mask(start, tree)
+        mask = additive_mask(start, tree, self.dtype, self.device)
         hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])
         position_embeddings = self.decoder.rotary_emb(hidden, positions)
         for index, layer in enumerate(self.decoder.layers):

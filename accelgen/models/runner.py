@@ -24,8 +24,8 @@ class ModelRunner:
         # positions the cache leaves out: a sparse cache (TriForce's retrieval and StreamingLLM caches) holds
         # only some of the positions before its newest entries, which still have their true positions
         self.position_offset = 0
-        # drafters that read the target's last hidden states (Medusa heads) set keep_hidden; each forward then
-        # leaves in `hidden` the final (normed) hidden states of the rows whose logits it returned, (k, d)
+        # drafters that read the target's last hidden states (Medusa, EAGLE) set keep_hidden; `hidden` then holds
+        # the final (normed) hidden state of every cached position, (cached, d), rolled back with the cache
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
 
@@ -37,6 +37,7 @@ class ModelRunner:
     def reset(self) -> None:
         self.cache = kv.new_cache(self.config)
         self.position_offset = 0
+        self.hidden = None
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
@@ -54,22 +55,14 @@ class ModelRunner:
             mask = None  # the model builds its own causal mask over cache + new tokens
         else:
             positions = start + tree.sum(dim=-1) - 1  # depth = number of ancestors
-            mask = self._tree_mask(kv.cache_length(self.cache), tree)
+            mask = additive_mask(kv.cache_length(self.cache), tree, self.dtype, self.device)
         inputs = dict(input_ids=token_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
                       attention_mask=mask, past_key_values=self.cache, use_cache=True)
         if self.keep_hidden:  # the decoder, then its LM head on the rows asked for: what the causal LM does
-            hidden = self.model.model(**inputs).last_hidden_state[0, -logits_for_last:]
-            self.hidden = hidden
-            return self.model.get_output_embeddings()(hidden).float()
+            hidden = self.model.model(**inputs).last_hidden_state[0]  # (m, d)
+            self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden])
+            return self.model.get_output_embeddings()(hidden[-logits_for_last:]).float()
         return self.model(**inputs, logits_to_keep=logits_for_last).logits[0].float()
-
-    def _tree_mask(self, cached: int, tree: torch.Tensor) -> torch.Tensor:
-        """(1, 1, m, cached + m) additive mask: every new token sees the whole cache, then its tree ancestors."""
-        m = tree.shape[0]
-        allowed = torch.cat([torch.ones(m, cached, dtype=torch.bool), tree], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[None, None].to(self.device)
 
     def keep(self, prefix: int, rows: list[int]) -> None:
         """Keep the first `prefix` cached positions, then the rows `rows` (increasing) of the last forward.
@@ -78,8 +71,20 @@ class ModelRunner:
         prefix counts covered positions (see `length`): the newest entries of a sparse cache are kept by position.
         """
         prefix -= self.position_offset
+        keep = torch.cat([torch.arange(prefix), prefix + torch.tensor(rows, dtype=torch.long)])
         if rows == list(range(len(rows))):
-            kv.crop(self.cache, prefix + len(rows))
+            kv.crop(self.cache, len(keep))
         else:
-            keep = torch.cat([torch.arange(prefix), prefix + torch.tensor(rows, dtype=torch.long)])
             kv.compact(self.cache, keep)
+        if self.hidden is not None:
+            self.hidden = self.hidden[keep.to(self.hidden.device)]
+
+
+def additive_mask(cached: int, pattern: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """(1, 1, m, cached + m) additive attention mask: each of m new tokens sees the whole cache, then the new
+    tokens that pattern (m, m) bool allows it (its tree ancestors and itself, or the causal triangle)."""
+    m = pattern.shape[0]
+    allowed = torch.cat([torch.ones(m, cached, dtype=torch.bool), pattern.cpu()], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)

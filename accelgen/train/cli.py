@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
                           f"{old['agrees_with_last']:.1%}", f"{new['agrees_with_last']:.1%}")
         Console().print(table)
         write_json(Path(out) / "exit_accuracy.json", {
-            "model": model, "dataset": dataset, "config": {f.name: getattr(config, f.name) for f in fields(config)},
+            "model": model, "dataset": dataset, "config": fields_of(config),
             "training_seconds": result["seconds"], "resumed_at": result["resumed_at"], "held_out_windows": held_out,
             "exit_accuracy_before": before, "exit_accuracy_after": after})
         plot_exit_accuracy(before, after, Path(out) / "exit_accuracy.png")
@@ -189,7 +189,59 @@ def register(app: typer.Typer) -> None:
         write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "heads": evaluation})
         stderr.print(f"{heads} Medusa heads → {out}; use: --method medusa -o heads={out} (or --method blockwise)")
 
+    @train_app.command("eagle")
+    def eagle(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the head, the feature cache and checkpoints "
+                                                          "(resumed); then: --method eagle --head OUT."),
+        windows: int = typer.Option(256, help="Windows of --seq-len tokens whose features are cached."),
+        held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
+        seq_len: int = typer.Option(256, "--seq-len"),
+        steps: int = typer.Option(600),
+        batch_size: int = typer.Option(4, "--batch-size", help="Windows per step."),
+        learning_rate: float = typer.Option(5e-4, "--learning-rate"),
+        ce_weight: float = typer.Option(0.1, "--ce-weight", help="Weight of the cross-entropy beside the feature loss."),
+        ce_positions: int = typer.Option(256, "--ce-positions", help="Positions per step in the cross-entropy."),
+        noise: float = typer.Option(0.1, help="Half-width of the uniform noise on the input features."),
+        draft_vocab: int = typer.Option(16384, "--draft-vocab", help="Tokens the head drafts from: the most frequent "
+                                                                     "(0: the whole vocabulary)."),
+        checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
+        dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """EAGLE head: one decoder layer over the frozen target's features; top-1/top-5 held out."""
+        from accelgen.train.eagle import EagleConfig, cached_features, evaluate_eagle, train_eagle
+
+        with reported_errors():
+            config = EagleConfig(steps=steps, batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight,
+                                 ce_positions=ce_positions, noise=noise, checkpoint_every=checkpoint_every,
+                                 draft_vocab=draft_vocab)
+            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
+            with progress_bar(len(data), "target features of windows") as show:
+                features, choices = cached_features(target_model, data, out,
+                                                    progress=lambda done: show({"step": done}, ""))
+            with progress_bar(steps) as show:
+                head, run = train_eagle(target_model, data[held_out:], features[held_out:], choices[held_out:], config,
+                                        out, progress=lambda row: show(row, "loss {loss:.3f}, top-1 {accuracy:.0%}, "
+                                                                            "{tokens_per_second:.0f} tokens/s"))
+            head.base_model = model
+            head.save(out)
+            evaluation = evaluate_eagle(target_model, head, data[:held_out], features[:held_out], choices[:held_out])
+        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
+                                                    "training_seconds": run["seconds"], "resumed_at": run["resumed_at"],
+                                                    **evaluation})
+        stderr.print(f"held out: the head's top-1 is the target's next choice at {evaluation['top1']:.1%} of "
+                     f"positions, top-5 at {evaluation['top5']:.1%}; {evaluation['choices_in_draft_vocab']:.1%} of the "
+                     f"choices are in the draft vocabulary (trained {steps - run['resumed_at']} steps in "
+                     f"{run['seconds']:.0f}s)")
+        stderr.print(f"EAGLE head → {out}; use: --method eagle --head {out}")
+
     app.add_typer(train_app, name="train")
+
+
+def fields_of(config) -> dict:
+    return {field.name: getattr(config, field.name) for field in fields(config)}
 
 
 stderr = Console(stderr=True)
@@ -206,9 +258,9 @@ def reported_errors():
 
 
 @contextlib.contextmanager
-def progress_bar(steps: int):
-    """Yields show(row, status_format): a training progress bar fed by the trainers' progress rows; into a log
-    file (not a terminal), a plain line every tenth of the run instead."""
+def progress_bar(steps: int, description: str = "training"):
+    """Yields show(row, status_format): a progress bar fed by the trainers' progress rows; into a log file (not a
+    terminal), a plain line every tenth of the run instead."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     if not stderr.is_terminal:
@@ -216,7 +268,7 @@ def progress_bar(steps: int):
 
         def show(row: dict, status: str) -> None:
             if row["step"] % every == 0 or row["step"] == steps:
-                stderr.print(f"training {row['step']}/{steps}: {status.format(**row)}")
+                stderr.print(f"{description} {row['step']}/{steps}: {status.format(**row)}")
 
         yield show
         return
@@ -224,7 +276,7 @@ def progress_bar(steps: int):
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[status]}"), TimeRemainingColumn())
     with Progress(*columns, console=stderr) as bar:
-        task = bar.add_task("training", total=steps, status="")
+        task = bar.add_task(description, total=steps, status="")
         yield lambda row, status: bar.update(task, completed=row["step"], status=status.format(**row))
 
 

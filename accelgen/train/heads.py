@@ -35,10 +35,13 @@ def load_heads(cls, folder, name: str, train_command: str, model=None):
 
 
 def check_fits(shape: dict, model, what: str) -> None:
-    """A clear error if shape's hidden_size / layer_count / vocab_size (0: not recorded) differ from the model's."""
+    """A clear error if shape's hidden_size / layer_count / vocab_size / intermediate_size (0: not recorded)
+    differ from the model's."""
     config = model.config
-    actual = {"hidden_size": config.hidden_size, "layer_count": config.num_hidden_layers, "vocab_size": config.vocab_size}
-    names = {"hidden_size": "hidden size", "layer_count": "layer count", "vocab_size": "vocabulary"}
+    actual = {"hidden_size": config.hidden_size, "layer_count": config.num_hidden_layers,
+              "vocab_size": config.vocab_size, "intermediate_size": getattr(config, "intermediate_size", 0)}
+    names = {"hidden_size": "hidden size", "layer_count": "layer count", "vocab_size": "vocabulary",
+             "intermediate_size": "MLP size"}
     problems = [f"{names[key]} {value}, the model's is {actual[key]}" for key, value in shape.items()
                 if value and value != actual[key]]
     if problems:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -16,7 +16,8 @@ CHAT = [{"role": "user", "content": "Write a Python function that checks whether
 def test_candidates_without_replacement_are_distinct(make_tiny_model):
     model = make_tiny_model("qwen2", seed=2, vocab_size=16)
     sampling = SamplingConfig(temperature=3.0)  # flat: with replacement, duplicates would be common
-    drafter = DraftTreeDrafter(model, sampling, torch.Generator().manual_seed(0), branching=[6], replacement=False)
+    drafter = DraftTreeDrafter(DraftModelScorer(model), sampling, torch.Generator().manual_seed(0), branching=[6],
+                               replacement=False)
     for _ in range(20):
         tokens = drafter.propose(torch.tensor([1, 2, 3]), max_nodes=8).tokens.tolist()
         assert len(tokens) == 6 and len(set(tokens)) == 6

@@ -5,7 +5,7 @@ import torch
 
 import accelgen
 from accelgen.draft import ROOT
-from accelgen.drafters.draft_tree import DraftTreeDrafter, shape_from_branching, shape_from_paths
+from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter, shape_from_branching, shape_from_paths
 from accelgen.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -15,18 +15,19 @@ CHAT = [{"role": "user", "content": "Write a Python function that checks whether
 
 
 def test_static_tree_shape_and_draft_rows(tiny_target):
-    drafter = DraftTreeDrafter(tiny_target, SamplingConfig(1.0), torch.Generator().manual_seed(0), branching=[2, 2, 1])
+    drafter = DraftTreeDrafter(DraftModelScorer(tiny_target), SamplingConfig(1.0), torch.Generator().manual_seed(0),
+                               branching=[2, 2, 1])
     draft = drafter.propose(torch.tensor(PROMPT), max_nodes=32)
     assert draft.parents.tolist() == [ROOT, ROOT, 0, 0, 1, 1, 2, 3, 4, 5]
     assert draft.draft_probs.shape == (10, tiny_target.config.vocab_size)
     assert torch.equal(draft.draft_probs[0], draft.draft_probs[1])  # siblings share the distribution they came from
-    assert drafter.runner.length == len(PROMPT)  # the draft tree never stays in the draft cache
+    assert drafter.scorer.runner.length == len(PROMPT)  # the draft tree never stays in the draft cache
     assert len(drafter.propose(torch.tensor(PROMPT), max_nodes=3)) == 3  # the node budget cuts the tree
 
 
 def test_tree_from_paths_ranks_children_by_draft_probability(tiny_target):
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-    drafter = DraftTreeDrafter(tiny_target, SamplingConfig(), None, paths=paths)
+    drafter = DraftTreeDrafter(DraftModelScorer(tiny_target), SamplingConfig(), None, paths=paths)
     draft = drafter.propose(torch.tensor(PROMPT), max_nodes=32)
     assert draft.parents.tolist() == [ROOT, ROOT, ROOT, 0, 0, 1, 3]
     first_logits = tiny_target(torch.tensor([PROMPT])).logits[0, -1]
@@ -37,7 +38,8 @@ def test_tree_from_paths_ranks_children_by_draft_probability(tiny_target):
 def test_paths_and_branching_give_the_same_tree(tiny_target, temperature):
     paths = [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]]
     assert shape_from_paths(paths) == shape_from_branching([2, 2, 1])
-    drafts = [DraftTreeDrafter(tiny_target, SamplingConfig(temperature), torch.Generator().manual_seed(4), **shape)
+    drafts = [DraftTreeDrafter(DraftModelScorer(tiny_target), SamplingConfig(temperature), torch.Generator().manual_seed(4),
+                               **shape)
               .propose(torch.tensor(PROMPT), max_nodes=32) for shape in ({"paths": paths}, {"branching": [2, 2, 1]})]
     assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].parents, drafts[1].parents)
 
@@ -56,7 +58,7 @@ def test_bad_paths_are_named(paths, problem):
 
 
 def test_dynamic_tree_keeps_the_most_probable_nodes(tiny_target):
-    drafter = DraftTreeDrafter(tiny_target, SamplingConfig(), None, width=3, depth=4, max_nodes=10)
+    drafter = DraftTreeDrafter(DraftModelScorer(tiny_target), SamplingConfig(), None, width=3, depth=4, max_nodes=10)
     draft = drafter.propose(torch.tensor(PROMPT), max_nodes=32)
     assert len(draft) == 10 and (draft.parents < torch.arange(10)).all()
 

@@ -117,15 +117,21 @@ def test_methods_with_a_forward_of_their_own_share_a_batch(make_tiny_model, toke
     model = make_tiny_model("qwen2", seed=5, layers=4)
     requests = [("skipdecode", {"horizon": 16}), ("layerskip", {"exit_layer": 1}), ("ppd", {}),
                 ("calm", {"threshold": 0.5})]
-    engine = Engine(max_batch=4, prefill_chunk=16, speculation=TokenBudget(0))
-    expected, collectors = [], []
+    alone, batched = alone_and_batched(Engine(max_batch=4, prefill_chunk=16, speculation=TokenBudget(0)), model,
+                                       tokenizer, requests)
+    assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
+    assert batched[0].stats["mean_layers"] < 4  # skipdecode did skip
+
+
+def alone_and_batched(engine, model, tokenizer, requests, max_new_tokens=16):
+    """([each request's result alone], [its result served by engine beside the others]) for PROMPTS, requests."""
+    alone, collectors = [], []
     for prompt, (method, options) in zip(PROMPTS, requests):
-        kwargs = dict(method=method, max_new_tokens=16, **options)
-        expected.append(accelgen.generate(model, tokenizer, prompt, **kwargs))
+        kwargs = dict(method=method, max_new_tokens=max_new_tokens, **options)
+        alone.append(accelgen.generate(model, tokenizer, prompt, **kwargs))
         collectors.append(submit(engine, model, tokenizer, prompt, **kwargs)[1])
     run_until_idle(engine)
-    assert [c.result.token_ids for c in collectors] == [e.token_ids for e in expected]
-    assert collectors[0].result.stats["mean_layers"] < 4  # skipdecode did skip
+    return alone, [collector.result for collector in collectors]
 
 
 def test_random_draft_rejected_in_a_batch_is_still_lossless(tiny_target, tiny_draft, tokenizer):
@@ -189,3 +195,19 @@ def test_engine_thread_serves_and_stops(tiny_target, tokenizer):
     assert collector.result is not None and len(collector.result.token_ids) == 8
     with pytest.raises(RuntimeError, match="shutting down"):
         submit(engine, tiny_target, tokenizer, PROMPTS[0])
+
+
+def test_requests_drafting_from_the_targets_features_share_a_batch(tiny_target, tokenizer, tmp_path):
+    """EAGLE and Medusa read the target's hidden states, so they take forwards of their own beside the batch;
+    with long prompts prefilled in chunks, the EAGLE head still sees the features of every chunk."""
+    from accelgen.train.eagle import new_head
+    from accelgen.train.medusa import MedusaHeads
+
+    new_head(tiny_target).save(tmp_path / "eagle")
+    MedusaHeads(2, 64, 49152).save(tmp_path / "medusa")
+    requests = [("eagle", {"heads": str(tmp_path / "eagle"), "width": 2, "depth": 2, "max_nodes": 4}),
+                ("medusa", {"heads": str(tmp_path / "medusa")}), ("autoregressive", {})]
+    alone, batched = alone_and_batched(Engine(max_batch=3, prefill_chunk=4, speculation=TokenBudget(0)), tiny_target,
+                                       tokenizer, requests)
+    assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
+    assert batched[0].stats["draft_tokens"] > 0

@@ -1,0 +1,132 @@
+"""EAGLE (Li et al. 2024) with EAGLE-2's dynamic trees: drafts from a one-layer head that autoregresses on the
+target's own features, trained by `accelgen train eagle` (train/eagle.py).
+
+The target's runner keeps the feature (final normed hidden state) of every cached position
+(`ModelRunner.keep_hidden`). The cache holds every committed token but the root, so before each draft the
+head catches up on the pairs (f_j, x_{j+1}) it has not seen. Its last output is its guess of the root's
+feature, and the target's LM head turns that guess into the distribution of the first draft token.
+
+Deeper levels feed each node's token together with its parent's *predicted* feature. Their rows are scored
+under tree attention and then cut from the head's cache: the head's cache only ever keeps pairs built from
+the target's true features.
+
+The tree is grown by the shared tree drafter (drafters/draft_tree.py), with the head as its scorer:
+
+- **Dynamic** (EAGLE-2, the default): at each of `depth` levels, the `width` nodes with the highest
+  cumulative draft probability get `width` children each. For greedy decoding, the finished tree is reranked
+  to its `max_nodes` most probable nodes.
+- **Static**: given by `paths`, as Medusa's choices.
+
+The head drafts from its draft vocabulary (see train/eagle.py): only those rows of the LM head are computed.
+Greedy verification keeps exactly the target's greedy tokens. Sampling draws each node's children i.i.d.
+from the head's distribution and verifies with SpecInfer's multi-step rule, so the output follows the
+target's distribution exactly (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen import cache as kv
+from accelgen.draft import ROOT, tree_attention
+from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
+from accelgen.models.runner import ModelRunner, additive_mask
+from accelgen.registry import MethodSpec, register
+from accelgen.train.eagle import EagleHead
+
+
+class EagleScorer:
+    """Draft logits from an EAGLE head over the target's features (the scorer of DraftTreeDrafter)."""
+
+    def __init__(self, target_model, head: EagleHead):
+        self.embed = target_model.get_input_embeddings()
+        lm_head = target_model.get_output_embeddings()
+        self.vocab_size = lm_head.weight.shape[0]
+        self.head = head
+        # the LM head's rows of the head's draft vocabulary (all rows if it has none)
+        self.vocab = head.vocab if len(head.vocab) else None
+        self.lm_rows = lm_head.weight if self.vocab is None else lm_head.weight[self.vocab]
+        self.lm_bias = None if lm_head.bias is None else (lm_head.bias if self.vocab is None else lm_head.bias[self.vocab])
+        self.max_positions = getattr(target_model.config, "max_position_embeddings", None) or 1 << 30
+        self.cache = kv.new_cache(head.config)
+        self.fed = 0  # positions the head's cache holds: pairs (f_j, x_{j+1}) for j < fed
+        self.root_feature: torch.Tensor | None = None  # (d,) the head's guess of the root's feature
+        self.predicted: dict[int, torch.Tensor] = {}  # node -> (d,) the head's guess of its feature
+        self.target: ModelRunner | None = None
+
+    def attach(self, target: ModelRunner) -> None:
+        self.target = target
+        target.keep_hidden = True
+
+    @torch.inference_mode()
+    def root_logits(self, context: list[int]) -> torch.Tensor | None:
+        """(vocab,) the head's logits for the first draft token; None before the target has any features."""
+        features = self.target.hidden  # (cached, d): every committed position but the root
+        if features is None or len(features) == 0:
+            return None
+        if self.fed > len(features):  # the target's cache was cut back (a reset): start the head over
+            kv.crop(self.cache, 0)
+            self.fed = 0
+        if self.fed < len(features):
+            new = len(features) - self.fed
+            tokens = torch.tensor(context[self.fed + 1 : len(features) + 1])  # x_{j+1} for the new pairs
+            output = self._forward(tokens, features[self.fed :], torch.ones(new, new, dtype=torch.bool).tril())
+            self.fed = len(features)
+            self.root_feature = output[-1]
+        self.predicted = {}
+        return self._logits(self.root_feature[None])[0]
+
+    @torch.inference_mode()
+    def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(nodes), vocab) the head's logits after each of nodes: one tree forward over them and their
+        ancestors, each fed its token and its parent's predicted feature."""
+        kept, kept_parents = with_ancestors(parents, nodes)
+        parent_features = torch.stack([self.root_feature if parents[node] == ROOT else self.predicted[parents[node]]
+                                       for node in kept])
+        output = self._forward(torch.tensor([tokens[node] for node in kept]), parent_features,
+                               tree_attention(kept_parents)[1:, 1:])
+        kv.crop(self.cache, self.fed)  # keep only pairs of true features
+        self.predicted.update(zip(kept, output))
+        return self._logits(output[[kept.index(node) for node in nodes]])
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """(k, vocab) float32 logits from predicted features (k, d); -inf outside the draft vocabulary."""
+        logits = torch.nn.functional.linear(features, self.lm_rows, self.lm_bias).float()
+        if self.vocab is None:
+            return logits
+        full = torch.full((len(features), self.vocab_size), float("-inf"))
+        full[:, self.vocab] = logits
+        return full
+
+    def _forward(self, tokens: torch.Tensor, features: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
+        """(m, d) predicted features for tokens (m,) with features (m, d), placed after the cached pairs as
+        pattern (m, m) bool allows (causal, or a tree: position = cached + depth - 1)."""
+        positions = (self.fed + pattern.sum(dim=-1) - 1)[None].to(self.head.fc.weight.device)
+        mask = None if len(tokens) == 1 else additive_mask(self.fed, pattern, features.dtype, features.device)
+        embeds = self.embed(tokens.to(features.device))[None]
+        return self.head(embeds, features[None], positions, mask, self.cache)[0]
+
+
+def _make_eagle(target_model, *, sampling, generator, heads, width, depth, max_nodes, paths, **_):
+    if not heads:
+        raise ValueError("eagle needs a trained EAGLE head: heads=FOLDER "
+                         "(from `accelgen train eagle --model M --out FOLDER`)")
+    scorer = EagleScorer(target_model, EagleHead.load(heads, target_model))
+    if paths:
+        return DraftTreeDrafter(scorer, sampling, generator, paths=paths)
+    return DraftTreeDrafter(scorer, sampling, generator, width=width, depth=depth, max_nodes=max_nodes)
+
+
+register(
+    MethodSpec(
+        name="eagle",
+        family="speculative",
+        lossless="distribution-exact",
+        paper="Li et al. 2024, arXiv:2401.15077 (EAGLE); arXiv:2406.16858 (EAGLE-2)",
+        summary="a one-layer head autoregresses on the target's own features and drafts through its LM head; "
+                "EAGLE-2's dynamic tree (width x depth, best max_nodes kept) verified in one forward",
+        make_drafter=_make_eagle,
+        needs=("heads",),
+        options={"heads": None, "width": 8, "depth": 5, "max_nodes": 32, "paths": None},
+    )
+)

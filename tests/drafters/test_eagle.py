@@ -1,0 +1,122 @@
+"""EAGLE drafting from a head trained for a few steps: token-for-token greedy decoding with drafts partly and
+fully accepted, cut by max_new_tokens and stop strings; sampling keeps the target distribution; the head's
+cache only ever keeps pairs of true features; clear errors for missing or unfit heads."""
+
+import pytest
+import torch
+
+import accelgen
+from accelgen.drafters.eagle import EagleScorer
+from accelgen.models.runner import ModelRunner
+from accelgen.train.eagle import EagleConfig, EagleHead, collect_features, new_head, train_eagle
+from accelgen.train.layerskip import packed_windows
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [5, 17, 923, 4410, 77, 12]
+
+
+def trained_head(model, windows, folder, steps=80):
+    """A head trained for a few steps on windows (count, n) of the model's own text, saved in folder."""
+    features, choices = collect_features(model, windows)
+    head, _ = train_eagle(model, windows, features, choices, EagleConfig(steps=steps, batch_size=8, learning_rate=1e-2,
+                                                                         ce_weight=1.0, noise=0.0, draft_vocab=4096))
+    head.save(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def head_folder(tiny_target, tokenizer, tmp_path_factory):
+    """Trained on the tiny target's greedy continuations of variants of PROMPT."""
+    texts = [tokenizer.decode(PROMPT + accelgen.generate(tiny_target, tokenizer, [start] + PROMPT[1:],
+                                                         max_new_tokens=50).token_ids) for start in range(5, 21)]
+    windows = packed_windows(tokenizer, texts, seq_len=56, count=16)
+    return trained_head(tiny_target, windows, tmp_path_factory.mktemp("eagle"))
+
+
+@pytest.mark.parametrize("options", [{}, {"width": 2, "depth": 3, "max_nodes": 6},
+                                     {"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}])
+def test_trained_head_is_lossless_with_partial_acceptance(tiny_target, tokenizer, head_folder, assert_lossless, options):
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "eagle", 40, heads=head_folder, **options)
+    assert 0 < result.stats["accepted_draft_tokens"] < result.stats["draft_tokens"]
+    assert result.stats["mean_accepted_tokens"] > 1.2
+
+
+def test_untrained_head_is_lossless(tiny_target, tokenizer, assert_lossless, tmp_path):
+    new_head(tiny_target).save(tmp_path)
+    assert_lossless(tiny_target, tokenizer, PROMPT, "eagle", 16, heads=str(tmp_path), width=3, depth=2, max_nodes=5)
+
+
+def test_whole_drafts_are_accepted_on_a_cycle(cycling_model, tokenizer, cycle_prompt, greedy, assert_lossless, tmp_path):
+    text = cycle_prompt + greedy(cycling_model, tokenizer, cycle_prompt, 60).token_ids
+    folder = trained_head(cycling_model, torch.tensor([text[start : start + 40] for start in range(0, 40, 3)]),
+                          tmp_path, steps=60)
+    result = assert_lossless(cycling_model, tokenizer, cycle_prompt, "eagle", 30, heads=folder, width=2, depth=4,
+                             max_nodes=8)
+    assert max(result.stats["accepted_per_step"]) == 4  # a whole path down the tree
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_max_new_tokens_smaller_than_the_tree(tiny_target, tokenizer, head_folder, assert_lossless, budget):
+    assert_lossless(tiny_target, tokenizer, PROMPT, "eagle", budget, heads=head_folder)
+
+
+def test_a_stop_string_inside_a_draft(tiny_target, tokenizer, head_folder):
+    plain = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=40)
+    stop = tokenizer.decode(plain.token_ids[12:14])
+    expected = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=40, stop=stop)
+    result = accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle", max_new_tokens=40, stop=stop,
+                               heads=head_folder)
+    assert (result.text, result.finish_reason) == (expected.text, "stop")
+
+
+def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path):
+    new_head(sampling_model).save(tmp_path)  # untrained: it guesses the previous position's distribution
+    assert_samples_target("eagle", [1, 4, 6], heads=str(tmp_path), width=2, depth=2, max_nodes=4)
+
+
+def test_the_head_cache_keeps_only_true_features(tiny_target, head_folder):
+    """After a proposal the head's cache holds the committed pairs only; catching up later gives the same root
+    logits as catching up at once."""
+    head = EagleHead.load(head_folder, tiny_target)
+    context = torch.tensor(PROMPT + [300, 301, 302, 303])
+    runners, scorers = [], []
+    for _ in range(2):
+        runner = ModelRunner(tiny_target)
+        scorer = EagleScorer(tiny_target, head)
+        scorer.attach(runner)
+        runners.append(runner)
+        scorers.append(scorer)
+    runners[0].forward(context[:6])  # in two steps, with a tree drafted in between
+    scorers[0].root_logits(context[:7].tolist())
+    scorers[0].score([1, 2, 3], [-1, 0, -1], [0, 2])
+    assert scorers[0].fed == 6 and accelgen.cache.cache_length(scorers[0].cache) == 6
+    runners[0].forward(context[6:9])
+    stepwise = scorers[0].root_logits(context.tolist())
+    runners[1].forward(context[:9])  # at once
+    at_once = scorers[1].root_logits(context.tolist())
+    assert torch.allclose(stepwise, at_once, atol=1e-4)
+
+
+def test_a_draft_vocabulary_leaves_other_tokens_out(tiny_target, head_folder):
+    head = EagleHead.load(head_folder, tiny_target)
+    runner = ModelRunner(tiny_target)
+    scorer = EagleScorer(tiny_target, head)
+    scorer.attach(runner)
+    runner.forward(torch.tensor(PROMPT[:-1]))
+    logits = scorer.root_logits(PROMPT)
+    outside = torch.ones(len(logits), dtype=torch.bool)
+    outside[head.vocab] = False
+    assert len(head.vocab) == 4096 and bool(torch.isinf(logits[outside]).all()) and bool(torch.isfinite(logits[head.vocab]).all())
+
+
+def test_bad_input_is_named(tiny_target, tokenizer, make_tiny_model, head_folder, tmp_path):
+    with pytest.raises(ValueError, match="needs a trained EAGLE head"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle")
+    with pytest.raises(FileNotFoundError, match="no eagle head in .*accelgen train eagle"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle", heads=str(tmp_path))
+    other = make_tiny_model("qwen2", seed=0, vocab_size=1024)
+    with pytest.raises(ValueError, match="eagle head .* do not fit this model: vocabulary 49152, the model's is 1024"):
+        accelgen.generate(other, tokenizer, [5, 17, 23], method="eagle", heads=head_folder)
+    with pytest.raises(ValueError, match="dynamic tree needs width, depth and max_nodes >= 1"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle", heads=head_folder, width=0)

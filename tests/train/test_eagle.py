@@ -1,0 +1,132 @@
+"""EAGLE head training: an untrained head passes the feature through, training beats it on held-out windows,
+checkpoints resume, the target's features are cached once, the draft vocabulary, the command line, and the
+vLLM export's layout."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import accelgen
+from accelgen.cli import app
+from accelgen.export import export_vllm_eagle
+from accelgen.models.runner import additive_mask
+from accelgen.train import eagle
+from accelgen.train.layerskip import packed_windows
+from accelgen.train.eagle import (EagleConfig, EagleHead, collect_features, draft_vocabulary, evaluate_eagle, new_head,
+                                  train_eagle)
+
+
+SMALL = dict(batch_size=4, learning_rate=1e-2, ce_weight=1.0, noise=0.0, draft_vocab=0)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target, tokenizer):
+    """(windows, features, choices) of the tiny target's own greedy text: 12 windows of 32 tokens."""
+    texts = [tokenizer.decode(accelgen.generate(tiny_target, tokenizer, [start, 17, 923], max_new_tokens=40).token_ids)
+             for start in range(5, 17)]
+    windows = packed_windows(tokenizer, texts, seq_len=32, count=12)
+    return (windows, *collect_features(tiny_target, windows))
+
+
+def test_an_untrained_head_passes_the_feature_through(tiny_target, data):
+    windows, features, _ = data
+    head = new_head(tiny_target)
+    length = windows.shape[1]
+    mask = additive_mask(0, torch.ones(length, length, dtype=torch.bool).tril(), torch.float32, "cpu")
+    output = head(tiny_target.get_input_embeddings()(windows[:2]), features[:2], torch.arange(length)[None], mask)
+    assert torch.allclose(output, features[:2], atol=1e-5)
+
+
+def test_training_beats_the_untrained_head_on_held_out_windows(smollm):
+    """SmolLM2 on ShareGPT text: a few seconds of training make the head's guesses of the model's next choice on
+    windows it never saw better than the untrained head's."""
+    from accelgen.datastore_cli import dataset_texts
+
+    model, tokenizer = smollm
+    windows = packed_windows(tokenizer, dataset_texts("sharegpt"), seq_len=64, count=24)
+    features, choices = collect_features(model, windows)
+    held, train = slice(0, 8), slice(8, None)
+    before = evaluate_eagle(model, new_head(model), windows[held], features[held], choices[held])
+    head, _ = train_eagle(model, windows[train], features[train], choices[train],
+                          EagleConfig(steps=25, batch_size=4, learning_rate=1e-3, draft_vocab=0))
+    after = evaluate_eagle(model, head, windows[held], features[held], choices[held])
+    assert after["top1"] > before["top1"] + 0.05 and after["top5"] >= after["top1"], (before, after)
+
+
+def test_checkpoints_resume(tiny_target, data, tmp_path):
+    windows, features, choices = data
+    _, first = train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=4, checkpoint_every=2, **SMALL),
+                           tmp_path)
+    _, second = train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=6, checkpoint_every=2, **SMALL),
+                            tmp_path)
+    assert (first["resumed_at"], second["resumed_at"]) == (0, 4)
+    assert torch.load(tmp_path / eagle.CHECKPOINT, weights_only=True)["step"] == 6
+    with pytest.raises(ValueError, match="other settings"):
+        train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=8, checkpoint_every=2,
+                                                                         **{**SMALL, "learning_rate": 0.5}), tmp_path)
+
+
+def test_features_are_cached_once(tiny_target, data, tmp_path, monkeypatch):
+    windows, features, choices = data
+    first = eagle.cached_features(tiny_target, windows, tmp_path)
+    monkeypatch.setattr(eagle, "collect_features", lambda *args, **kwargs: pytest.fail("features computed twice"))
+    again = eagle.cached_features(tiny_target, windows, tmp_path)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]) and torch.equal(again[1], choices)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
+    windows = torch.tensor([[7, 7, 7, 5, 5, 9]])
+    choices = torch.tensor([[9, 9, 9, 9, 7, 5]])
+    assert draft_vocabulary(windows, choices, vocab_size=20, size=5).tolist() == [0, 1, 5, 7, 9]
+    assert len(draft_vocabulary(windows, choices, vocab_size=20, size=50)) == 20
+
+
+def test_the_command_trains_a_head_that_generate_uses(command_inputs, tokenizer, tmp_path):
+    folder, dataset = command_inputs(seed=0)
+    out = tmp_path / "eagle"
+    run = CliRunner().invoke(app, ["train", "eagle", "--model", str(folder), "--dataset", dataset, "--out", str(out),
+                                   "--windows", "8", "--held-out", "2", "--seq-len", "16", "--steps", "6",
+                                   "--draft-vocab", "512"])
+    assert run.exit_code == 0, run.output
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    assert evaluation["draft_vocab"] == 512 and 0 <= evaluation["top1"] <= evaluation["top5"] <= 1
+    assert (out / eagle.FEATURES).exists() and (out / eagle.CHECKPOINT).exists()
+    runs = [CliRunner().invoke(app, ["generate", "def add(a, b):", "--model", str(folder), "-n", "10", "--json",
+                                     *extra]) for extra in ([], ["--method", "eagle", "--head", str(out)])]
+    assert all(result.exit_code == 0 for result in runs), runs[1].output
+    plain, drafted = (json.loads(result.stdout.strip().splitlines()[-1]) for result in runs)
+    assert drafted["token_ids"] == plain["token_ids"]
+
+
+def test_vllm_export_writes_the_eagle_layout(tiny_target, data, tmp_path):
+    windows, features, choices = data
+    head, _ = train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=3, **SMALL))
+    head.save(tmp_path / "head")
+    export_vllm_eagle(tmp_path / "head", tmp_path / "vllm")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 64 and config["vocab_size"] == 49152
+    assert config["intermediate_size"] == 128 and config["num_key_value_heads"] == 2 and config["rope_theta"] == 10000.0
+    weights = load_file(tmp_path / "vllm" / "model.safetensors")
+    projections = [f"layers.0.self_attn.{name}_proj.weight" for name in "qkvo"] + \
+                  [f"layers.0.mlp.{name}_proj.weight" for name in ("gate", "up", "down")]
+    assert set(weights) == {"fc.weight", "layers.0.post_attention_layernorm.weight", *projections}
+    assert weights["fc.weight"].shape == (64, 128) and weights["layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+    # the files hold the whole head: rebuilt from them, it computes what the trained head computes
+    rebuilt = EagleHead(EagleHead.load(tmp_path / "head").config.to_dict())
+    rebuilt.fc.weight.data = weights["fc.weight"].float()
+    rebuilt.layer.load_state_dict({name[len("layers.0."):]: tensor.float() for name, tensor in weights.items()
+                                   if name.startswith("layers.0.")})
+    length = windows.shape[1]
+    inputs = (tiny_target.get_input_embeddings()(windows[:1]), features[:1], torch.arange(length)[None],
+              additive_mask(0, torch.ones(length, length, dtype=torch.bool).tril(), torch.float32, "cpu"))
+    assert torch.allclose(rebuilt(*inputs), head(*inputs), atol=0.05)
+
+
+def test_export_refuses_what_is_not_an_eagle_head(tmp_path):
+    (tmp_path / "medusa_heads.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds Medusa heads; only EAGLE heads"):
+        export_vllm_eagle(tmp_path, tmp_path / "out")
