@@ -205,12 +205,10 @@ def export_vllm(
 ):
     """An EAGLE head in the checkpoint layout vLLM's speculative config loads (method "eagle")."""
     from accelgen.export import export_vllm_eagle
+    from accelgen.train.cli import reported_errors
 
-    try:
+    with reported_errors():
         written = export_vllm_eagle(head, out)
-    except (ValueError, FileNotFoundError) as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2)
     console.print(f"wrote {', '.join(path.name for path in written)} to {out}; in vLLM: LLM(model=TARGET, "
                   f"speculative_config={{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}})")
 

@@ -71,13 +71,14 @@ class ModelRunner:
         prefix counts covered positions (see `length`): the newest entries of a sparse cache are kept by position.
         """
         prefix -= self.position_offset
-        keep = torch.cat([torch.arange(prefix), prefix + torch.tensor(rows, dtype=torch.long)])
         if rows == list(range(len(rows))):
-            kv.crop(self.cache, len(keep))
+            kv.crop(self.cache, prefix + len(rows))
+            keep = slice(0, prefix + len(rows))
         else:
+            keep = torch.cat([torch.arange(prefix), prefix + torch.tensor(rows, dtype=torch.long)])
             kv.compact(self.cache, keep)
         if self.hidden is not None:
-            self.hidden = self.hidden[keep.to(self.hidden.device)]
+            self.hidden = self.hidden[keep]
 
 
 def additive_mask(cached: int, pattern: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:

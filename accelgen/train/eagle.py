@@ -130,6 +130,12 @@ def new_head(model) -> EagleHead:
                      model.config.num_hidden_layers)
 
 
+def whole_windows(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (1, length), causal additive mask (1, 1, length, length)): the head over whole windows."""
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return torch.arange(length)[None], additive_mask(0, causal, torch.float32, "cpu")
+
+
 @torch.no_grad()
 def collect_features(model, windows: torch.Tensor, progress: Callable[[int], None] | None = None):
     """(features (count, n, d) in the model's dtype, choices (count, n) long) over windows (count, n): the
@@ -188,8 +194,7 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     generator = torch.Generator().manual_seed(seed + start)
     length = windows.shape[1] - 1  # input pairs (f_t, x_{t+1}) per window
-    positions = torch.arange(length)[None]
-    mask = additive_mask(0, torch.ones(length, length, dtype=torch.bool).tril(), torch.float32, "cpu")
+    positions, mask = whole_windows(length)
     started = time.perf_counter()
     for step in range(start, config.steps):
         rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
@@ -250,8 +255,7 @@ def evaluate_eagle(model, head: EagleHead, windows: torch.Tensor, features: torc
     """On windows not trained on: how often the head's top-1, and its top-k, hold the target's own next choice."""
     head = head.float()
     length = windows.shape[1] - 1
-    positions = torch.arange(length)[None]
-    mask = additive_mask(0, torch.ones(length, length, dtype=torch.bool).tril(), torch.float32, "cpu")
+    positions, mask = whole_windows(length)
     top1 = topk = covered = 0.0
     drafted = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     drafted[head.vocab if len(head.vocab) else slice(None)] = True

@@ -12,11 +12,10 @@ from typer.testing import CliRunner
 import accelgen
 from accelgen.cli import app
 from accelgen.export import export_vllm_eagle
-from accelgen.models.runner import additive_mask
 from accelgen.train import eagle
 from accelgen.train.layerskip import packed_windows
 from accelgen.train.eagle import (EagleConfig, EagleHead, collect_features, draft_vocabulary, evaluate_eagle, new_head,
-                                  train_eagle)
+                                  train_eagle, whole_windows)
 
 
 SMALL = dict(batch_size=4, learning_rate=1e-2, ce_weight=1.0, noise=0.0, draft_vocab=0)
@@ -35,8 +34,7 @@ def test_an_untrained_head_passes_the_feature_through(tiny_target, data):
     windows, features, _ = data
     head = new_head(tiny_target)
     length = windows.shape[1]
-    mask = additive_mask(0, torch.ones(length, length, dtype=torch.bool).tril(), torch.float32, "cpu")
-    output = head(tiny_target.get_input_embeddings()(windows[:2]), features[:2], torch.arange(length)[None], mask)
+    output = head(tiny_target.get_input_embeddings()(windows[:2]), features[:2], *whole_windows(length))
     assert torch.allclose(output, features[:2], atol=1e-5)
 
 
@@ -121,8 +119,7 @@ def test_vllm_export_writes_the_eagle_layout(tiny_target, data, tmp_path):
     rebuilt.layer.load_state_dict({name[len("layers.0."):]: tensor.float() for name, tensor in weights.items()
                                    if name.startswith("layers.0.")})
     length = windows.shape[1]
-    inputs = (tiny_target.get_input_embeddings()(windows[:1]), features[:1], torch.arange(length)[None],
-              additive_mask(0, torch.ones(length, length, dtype=torch.bool).tril(), torch.float32, "cpu"))
+    inputs = (tiny_target.get_input_embeddings()(windows[:1]), features[:1], *whole_windows(length))
     assert torch.allclose(rebuilt(*inputs), head(*inputs), atol=0.05)
 
 
