@@ -235,6 +235,7 @@ class Sequence:
                 draft = self.drafter.propose(self.context, room)
             draft = draft.truncated(room)
         self.stats.draft_seconds += time.perf_counter() - started
+        uncached = self.context[self.target.length :]  # a drafter that runs the target itself (PaSS) may cache some
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
         return Step(torch.cat([uncached, draft.tokens]), draft, tree, logits_for_last=len(draft) + 1)
 

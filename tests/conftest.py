@@ -51,3 +51,25 @@ def tiny_target():
 def tiny_draft():
     """An unrelated random model of the same vocabulary: its drafts are (almost) never accepted."""
     return tiny_model("llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def sharp_target():
+    """A tiny target whose next-token distributions are peaked, as a trained LM's are (random ones are flat), so
+    that a draft distilled toward it in a few steps learns something."""
+    model = tiny_model("qwen2", seed=0, vocab_size=1024)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_target_windows(tiny_target, tokenizer):
+    """(20, 24) packed windows of the tiny target's own greedy continuations of 20 prompts: text that heads and
+    embeddings trained in a test can learn to predict part of the time."""
+    from accelgen.train.layerskip import packed_windows
+
+    prompt = [5, 17, 923, 4410, 77, 12]
+    texts = [tokenizer.decode(prompt + accelgen.generate(tiny_target, tokenizer, [start] + prompt[1:],
+                                                         max_new_tokens=40).token_ids) for start in range(5, 25)]
+    return packed_windows(tokenizer, texts, seq_len=24, count=20)

@@ -41,6 +41,7 @@ class BenchMethod:
     options: dict = field(default_factory=dict)  # option name -> default value
     summary: str = ""
     can_sample: bool = True
+    draft: str | None = None  # a draft model of this row's own (variant option draft=PATH), instead of --draft
 
     @property
     def registered_name(self) -> str:
@@ -98,13 +99,18 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
                              "e.g. specdec@beta=2+tau=0.5")
         values[key.replace("-", "_")] = parse_option_value(value)
     base = methods[base_name]
-    return dataclasses.replace(base, name=name, options=base.check_options(values))
+    # draft=PATH gives the row a draft model of its own, e.g. to compare a distilled draft with the original
+    draft = values.pop("draft", None)
+    if draft is not None and "draft_model" not in base.needs:
+        raise ValueError(f"method variant {name!r}: {base_name} takes no draft model")
+    return dataclasses.replace(base, name=name, options=base.check_options(values),
+                               draft=None if draft is None else str(draft))
 
 
 def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
     """Needs neither provided by the run (e.g. a draft model) nor given as an option of the same name
     (with -o, or in a variant's name: consistent-ee@heads=FOLDER)."""
-    given = {**method.options, **options}
+    given = {**method.options, **options, "draft_model": method.draft}
     return [need for need in method.needs if need not in resources and given.get(need) is None]
 
 

@@ -115,17 +115,21 @@ def run(
         run_info.setdefault("resumed", []).append({"date": now(), "command": command})
     write_json(out_dir / RUN_FILE, run_info)
 
+    # rows with a draft model of their own (variant option draft=PATH); the others take the run's (--draft)
+    own_drafts = {method.draft: accelgen.load_model(method.draft, dtype=config.draft_dtype)[0]
+                  for method in plan.methods if method.draft}
     records = read_jsonl(out_dir / RECORDS_FILE)
     done = {(r["prompt_id"], r["method"]) for r in records}
     pending = [(i, m) for i in range(len(plan.prompts)) for m in shuffled(plan.methods, i)
                if (plan.prompts[i].id, m.name) not in done]
     if pending and config.warmup:
         for method in plan.methods:  # untimed: first calls pay for allocation and kernel selection
-            generate(plan, method, model, tokenizer, draft_model, prompt_ids[0], WARMUP_TOKENS)
+            generate(plan, method, model, tokenizer, own_drafts.get(method.draft, draft_model), prompt_ids[0],
+                     WARMUP_TOKENS)
     for index, method in pending:
         prompt = plan.prompts[index]
-        record = generate(plan, method, model, tokenizer, draft_model, prompt_ids[index], config.max_new_tokens,
-                          seed=config.seed + index)
+        record = generate(plan, method, model, tokenizer, own_drafts.get(method.draft, draft_model), prompt_ids[index],
+                          config.max_new_tokens, seed=config.seed + index)
         record = {"prompt_id": prompt.id, "prompt_index": index, "category": prompt.category, "method": method.name,
                   "dataset": config.dataset, "prompt_tokens": len(prompt_ids[index]), **record,
                   "tau": ratio_or_none(record["new_tokens"], record["target_forwards"]),

@@ -6,4 +6,5 @@ from accelgen.drafters import universal  # noqa: F401
 from accelgen.drafters import self_speculative, layerskip  # noqa: F401
 from accelgen.drafters import spectr, specdec, contrastive, bild  # noqa: F401
 from accelgen.drafters import auto  # noqa: F401
-from accelgen.drafters import medusa, eagle  # noqa: F401
+from accelgen.drafters import medusa, eagle, pass_embeddings  # noqa: F401
+from accelgen.drafters import distillspec, online  # noqa: F401

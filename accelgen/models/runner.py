@@ -40,24 +40,34 @@ class ModelRunner:
         self.hidden = None
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0,
+                appended: torch.Tensor | None = None) -> torch.Tensor:
         """Append token_ids (m,) after the cached positions and return their logits, (m, vocab) float32.
 
         tree: None for a causal chain, else (m, m) bool, tree[r, c] = new token r may attend to new token c
         (ancestors and itself); each token's position is then the cache length + its depth in the tree.
         logits_for_last: compute logits for the last k tokens only, returning (k, vocab); 0 = all tokens.
         (A prompt needs no logits but its last token's: skipping the rest saves a vocab-sized matmul per token.)
+        appended: (a, d) input embeddings fed after the tokens as a causal chain, with logits rows of their own
+        (PaSS's look-ahead embeddings); chains only.
         """
         start = self.length
-        m = token_ids.shape[0]
+        m = token_ids.shape[0] + (0 if appended is None else appended.shape[0])
         if tree is None:
             positions = torch.arange(start, start + m)
             mask = None  # the model builds its own causal mask over cache + new tokens
         else:
             positions = start + tree.sum(dim=-1) - 1  # depth = number of ancestors
             mask = additive_mask(kv.cache_length(self.cache), tree, self.dtype, self.device)
-        inputs = dict(input_ids=token_ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
-                      attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        inputs = dict(position_ids=positions.to(self.device)[None], attention_mask=mask, past_key_values=self.cache,
+                      use_cache=True)
+        if appended is None:
+            inputs["input_ids"] = token_ids.to(self.device)[None]
+        else:
+            if tree is not None:
+                raise ValueError("appended embeddings follow a chain, not a tree")
+            embedded = self.model.get_input_embeddings()(token_ids.to(self.device))
+            inputs["inputs_embeds"] = torch.cat([embedded, appended.to(embedded.dtype)])[None]
         if self.keep_hidden:  # the decoder, then its LM head on the rows asked for: what the causal LM does
             hidden = self.model.model(**inputs).last_hidden_state[0]  # (m, d)
             self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden])
@@ -86,6 +96,11 @@ def additive_mask(cached: int, pattern: torch.Tensor, dtype: torch.dtype, device
     tokens that pattern (m, m) bool allows it (its tree ancestors and itself, or the causal triangle)."""
     m = pattern.shape[0]
     allowed = torch.cat([torch.ones(m, cached, dtype=torch.bool), pattern.cpu()], dim=1)
+    return blocking_mask(allowed, dtype)[None].to(device)
+
+
+def blocking_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(1, m, n) additive attention mask from allowed (m, n) bool: 0 where allowed, the dtype's minimum elsewhere."""
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
+    return mask[None]

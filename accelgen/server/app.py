@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from accelgen.drafters.online import OnlineLearner
 from accelgen.generate import Chunk, GenerationResult, Sequence
 from accelgen.registry import get_method
 from accelgen.server.engine import Engine, Request
@@ -99,6 +100,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         if "draft_model" in spec.needs and config.draft_model is None:
             raise ValueError(f"method {method!r} needs a draft model: pass --draft")
         methods[method] = spec.check_options(methods[method])
+    if "online" in methods and methods["online"]["learner"] is None:
+        # one learner for the server's life, so that the draft learns from every request (drafters/online.py);
+        # binding it now refuses a draft that cannot train (not float32) at startup
+        learner = OnlineLearner()
+        learner.bind(config.draft_model, methods["online"]["train_layers"])
+        methods["online"]["learner"] = learner
 
     @asynccontextmanager
     async def lifespan(_app):

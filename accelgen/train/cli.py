@@ -4,12 +4,15 @@
     exit-heads     exit adapters and CALM's classifiers on a frozen model (train/exit_heads.py)
     consistent-ee  ConsistentEE's exit policy, by policy gradient (train/consistent_ee.py)
     medusa         Medusa / blockwise heads on the frozen target's last hidden states (train/medusa.py)
+    eagle          an EAGLE head: one decoder layer over the frozen target's features (train/eagle.py)
+    pass           PaSS look-ahead embeddings, so that the frozen target drafts for itself (train/pass_embeddings.py)
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Optional
@@ -236,6 +239,183 @@ def register(app: typer.Typer) -> None:
                      f"choices are in the draft vocabulary (trained {steps - run['resumed_at']} steps in "
                      f"{run['seconds']:.0f}s)")
         stderr.print(f"EAGLE head → {out}; use: --method eagle --head {out}")
+
+    @train_app.command("pass")
+    def pass_(
+        model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the embeddings (then: --method pass --head OUT)."),
+        count: int = typer.Option(4, "--count", "-k", help="Look-ahead embeddings: slot i guesses the token i + 2 ahead."),
+        windows: int = typer.Option(128, help="Windows of --seq-len tokens to train on."),
+        held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
+        seq_len: int = typer.Option(128, "--seq-len"),
+        steps: int = typer.Option(200),
+        batch_size: int = typer.Option(2, "--batch-size", help="Windows per step."),
+        cuts: int = typer.Option(16, help="Positions per window the slots are appended at."),
+        learning_rate: float = typer.Option(3e-3, "--learning-rate"),
+        dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """PaSS look-ahead embeddings: the frozen target drafts k tokens for itself; per-slot top-1 held out."""
+        from accelgen.train.pass_embeddings import PassConfig, evaluate_pass, train_pass
+
+        with reported_errors():
+            config = PassConfig(count=count, steps=steps, batch_size=batch_size, cuts=cuts, learning_rate=learning_rate)
+            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
+            started = time.perf_counter()
+            with progress_bar(steps) as show:
+                embeddings = train_pass(target_model, data[held_out:], config,
+                                        progress=lambda row: show(row, "loss {loss:.3f}, {tokens_per_second:.0f} slots/s"))
+            seconds = time.perf_counter() - started
+            embeddings.base_model = model
+            embeddings.save(out)
+            evaluation = evaluate_pass(target_model, embeddings, data[:held_out], cuts=cuts)
+        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
+                                                    "training_seconds": seconds, **evaluation})
+        top1 = ", ".join(f"{accuracy:.0%}" for accuracy in evaluation["top1"])
+        stderr.print(f"held out: slot top-1 {top1}; {evaluation['mean_slots_in_a_row']:.2f} slots right in a row "
+                     f"on average (trained {steps} steps in {seconds:.0f}s)")
+        stderr.print(f"look-ahead embeddings → {out}; use: --method pass --head {out}")
+
+    @train_app.command("distillspec")
+    def distillspec(
+        model: str = typer.Option(..., "--model", "-m", help="Target: embedded name, HF id or local folder."),
+        draft: str = typer.Option(..., "--draft", "-d", help="Draft model to distill (same tokenizer as the target)."),
+        dataset: str = typer.Option("sharegpt", "--dataset", help="Prompts: humaneval, sharegpt or jsonl:FILE "
+                                                                 "(benchmark prompts never train; see docs/distillation.md)."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the distilled draft (then: --method distillspec "
+                                                          "--draft OUT)."),
+        divergence: str = typer.Option("fkl", help="fkl (KL(target ‖ draft)), rkl (KL(draft ‖ target)) or tvd (total variation)."),
+        steps: int = typer.Option(40),
+        prompts: int = typer.Option(64, help="Training prompts, cycled through."),
+        held_out: int = typer.Option(8, "--held-out", help="Prompts kept out of training, to measure α on before and after."),
+        max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens the draft generates per prompt, "
+                                                                        "and per held-out prompt when measuring α."),
+        batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+        learning_rate: float = typer.Option(5e-6, "--learning-rate"),
+        train_layers: Optional[int] = typer.Option(None, "--train-layers", help="Train the draft's last N decoder layers "
+                                                                              "(default: all); embeddings and LM head stay frozen."),
+        gamma: int = typer.Option(5, help="Draft length when measuring α."),
+        dtype: Optional[str] = typer.Option(None, help="Dtype of the target (default: its embedded one); the draft trains in float32."),
+        seed: int = typer.Option(0),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """DistillSpec: distill the draft toward the target on the draft's own generations; α before and after."""
+        import time
+
+        import torch
+
+        from accelgen.drafters.draft_model import check_vocabularies
+        from accelgen.models import load_model
+        from accelgen.train.distill import (acceptance, check_divergence, distill, distillation_prompts, distilled_for,
+                                            save_distilled)
+
+        started = time.perf_counter()
+        with reported_errors():
+            check_divergence(divergence)  # before minutes of loading and measuring
+            if threads:
+                torch.set_num_threads(threads)
+            with stderr.status(f"loading {model} and {draft} …"):
+                target_model, tokenizer = load_model(model, dtype=dtype)
+                draft_model, draft_tokenizer = load_model(draft)
+            saved_dtype = draft_model.dtype  # the distilled draft is saved as the original was
+            draft_model.float()
+            check_vocabularies(target_model, draft_model)
+            training, held = distillation_prompts(dataset, tokenizer, prompts, held_out)
+            with stderr.status(f"α before, on {len(held)} held-out prompts …"):
+                before = acceptance(target_model, draft_model, tokenizer, held, max_new_tokens=max_new_tokens, gamma=gamma)
+            with progress_bar(steps) as show:
+                run = distill(target_model, draft_model, tokenizer, training, steps=steps, batch_size=batch_size,
+                              max_new_tokens=max_new_tokens, divergence_name=divergence, learning_rate=learning_rate,
+                              train_layers=train_layers, seed=seed,
+                              progress=lambda row: show(row, "loss {loss:.4f}, {tokens_per_second:.0f} tokens/s"))
+            with stderr.status("α after …"):
+                after = acceptance(target_model, draft_model, tokenizer, held, max_new_tokens=max_new_tokens, gamma=gamma)
+            save_distilled(draft_model.to(saved_dtype), draft_tokenizer, out, {
+                **distilled_for(target_model, model), "draft": draft, "dataset": dataset, "divergence": divergence,
+                "steps": steps, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+                "learning_rate": learning_rate, "train_layers": train_layers, "seed": seed,
+                "training_prompts": len(training), "held_out_prompts": len(held), "taught_tokens": run["taught_tokens"],
+                "losses": run["losses"], "training_seconds": run["seconds"],
+                "wall_seconds": time.perf_counter() - started, "gamma": gamma, "before": before, "after": after})
+        Console().print(f"α on {len(held)} held-out prompts: {before['acceptance_rate']:.1%} → {after['acceptance_rate']:.1%}"
+                        f" (τ {before['mean_accepted_tokens']:.2f} → {after['mean_accepted_tokens']:.2f}), "
+                        f"trained {steps} steps in {run['seconds']:.0f}s")
+        stderr.print(f"distilled draft → {out}; use: --method distillspec --draft {out}")
+
+    @train_app.command("online")
+    def online(
+        model: str = typer.Option(..., "--model", "-m", help="Target: embedded name, HF id or local folder."),
+        draft: str = typer.Option(..., "--draft", "-d", help="Draft model, updated as the requests stream by."),
+        dataset: str = typer.Option("humaneval", "--dataset", help="The stream of requests, in order: humaneval, "
+                                                                  "sharegpt, specbench:FILE or jsonl:FILE."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for online.json, online.png (and --save-draft)."),
+        requests: int = typer.Option(40, help="Requests in the stream."),
+        interval: int = typer.Option(5, help="Update the draft after every N requests."),
+        max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+        gamma: int = typer.Option(5),
+        update_steps: int = typer.Option(4, "--update-steps", help="AdamW steps per update."),
+        learning_rate: float = typer.Option(1e-5, "--learning-rate"),
+        divergence: str = typer.Option("fkl", help="fkl, rkl or tvd."),
+        buffer_size: int = typer.Option(512, "--buffer-size", help="Rejected positions kept between updates."),
+        target_top_k: int = typer.Option(32, "--target-top-k", help="Tokens of the target's distribution kept per position."),
+        train_layers: Optional[int] = typer.Option(None, "--train-layers", help="Train the draft's last N decoder layers "
+                                                                              "(default: all)."),
+        baseline: bool = typer.Option(False, "--baseline", help="Also run each request with an untouched copy of the "
+                                                                "draft (speculative): α without learning (twice the time)."),
+        save_draft: bool = typer.Option(False, "--save-draft", help="Save the updated draft into OUT/draft."),
+        dtype: Optional[str] = typer.Option(None, help="Dtype of the target (default: its embedded one); the draft runs "
+                                                       "and trains in float32."),
+        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    ):
+        """Online speculative decoding over a stream of requests: α per request as the draft learns (JSON + plot)."""
+        import copy
+
+        import torch
+
+        from accelgen.bench.datasets import load_dataset, prompt_token_ids
+        from accelgen.drafters.online import OnlineLearner, moving_average, plot_acceptance, stream_requests
+        from accelgen.models import load_model
+        from accelgen.train.distill import check_divergence
+
+        with reported_errors():
+            check_divergence(divergence)
+            if threads:
+                torch.set_num_threads(threads)
+            stream = load_dataset(dataset, limit=requests)
+            if not stream:
+                raise ValueError(f"dataset {dataset!r} has no prompts")
+            with stderr.status(f"loading {model} and {draft} …"):
+                target_model, tokenizer = load_model(model, dtype=dtype)
+                draft_model, draft_tokenizer = load_model(draft)
+            saved_dtype = draft_model.dtype
+            draft_model.float()  # it trains in place: float32 keeps small updates
+            baseline_draft = copy.deepcopy(draft_model) if baseline else None
+            learner = OnlineLearner()
+            learning = dict(interval=interval, update_steps=update_steps, learning_rate=learning_rate,
+                            divergence=divergence, buffer_size=buffer_size, target_top_k=target_top_k,
+                            train_layers=train_layers)
+            with progress_bar(len(stream), "requests") as show:
+                rows = stream_requests(target_model, draft_model, tokenizer,
+                                       [prompt_token_ids(tokenizer, prompt) for prompt in stream], learner,
+                                       max_new_tokens=max_new_tokens, gamma=gamma, baseline_draft=baseline_draft,
+                                       progress=lambda row: show(row, "α {acceptance_rate:.0%}, {updates} updates"),
+                                       **learning)
+            for row, prompt in zip(rows, stream):
+                row["id"] = prompt.id
+            Path(out).mkdir(parents=True, exist_ok=True)
+            average = moving_average([row["acceptance_rate"] for row in rows], interval)
+            write_json(Path(out) / "online.json", {
+                "model": model, "draft": draft, "dataset": dataset, "requests": len(rows), "max_new_tokens": max_new_tokens,
+                "gamma": gamma, **learning, "first_requests_acceptance": average[min(interval, len(rows)) - 1],
+                "last_requests_acceptance": average[-1], "updates": learner.updates, "rows": rows})
+            plot_acceptance(rows, Path(out) / "online.png", interval)
+            if save_draft:
+                draft_model.to(saved_dtype).save_pretrained(Path(out) / "draft")
+                draft_tokenizer.save_pretrained(Path(out) / "draft")
+        Console().print(f"α, mean of {interval} requests: first {average[min(interval, len(rows)) - 1]:.1%}, last "
+                        f"{average[-1]:.1%} ({len(learner.updates)} updates over {len(rows)} requests)")
+        stderr.print(f"→ {out}/online.json, {out}/online.png" + (f"; updated draft: {out}/draft" if save_draft else ""))
 
     app.add_typer(train_app, name="train")
 

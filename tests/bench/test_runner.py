@@ -198,8 +198,23 @@ def test_variants_sweep_a_lossy_method_in_one_run(tmp_path, prompts_file, tiny_t
     assert "tradeoff.png" in (out_dir / "report.md").read_text()
 
 
+def test_a_variant_brings_its_own_draft_model(tmp_path, prompts_file, tiny_target, tiny_draft, tokenizer):
+    """speculative@draft=FOLDER drafts with the model in FOLDER (here the target itself: every draft accepted),
+    beside a row drafting with the run's --draft (a random model: hardly any accepted)."""
+    tiny_target.save_pretrained(tmp_path / "own")
+    own = f"speculative@draft={tmp_path / 'own'}"
+    results, _ = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_draft,
+                       methods=["speculative", own])
+    overall = results["aggregates"]["overall"]
+    assert overall[own]["acceptance_rate"] == 1.0 > overall["speculative"]["acceptance_rate"]
+    assert overall[own]["identical"] == overall["speculative"]["identical"] == 2
+    alone, _ = methods.resolve_methods([own], set(), 0)  # its own draft meets the need without --draft
+    assert alone[1].draft == str(tmp_path / "own")
+
+
 @pytest.mark.parametrize("name, message", [("specdec@beta", "name=value"), ("specdec@warp=1", "has no option 'warp'"),
-                                           ("warp@beta=1", "unknown method 'warp'")])
+                                           ("warp@beta=1", "unknown method 'warp'"),
+                                           ("pld@draft=folder", "pld takes no draft model")])
 def test_bad_variants_are_named(name, message):
     with pytest.raises(ValueError, match=message):
         methods.resolve_methods([name], {"draft_model"}, 0)

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.train.layerskip import packed_windows
 from accelgen.train.medusa import MedusaHeads, final_hidden_states, train_medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -14,11 +13,9 @@ PROMPT = [5, 17, 923, 4410, 77, 12]
 
 
 @pytest.fixture(scope="module")
-def heads_folder(tiny_target, tokenizer, tmp_path_factory):
+def heads_folder(tiny_target, tiny_target_windows, tmp_path_factory):
     """Heads trained on the tiny target's own greedy continuations, so that they are right part of the time."""
-    texts = [tokenizer.decode(PROMPT + accelgen.generate(tiny_target, tokenizer, [start] + PROMPT[1:],
-                                                         max_new_tokens=40).token_ids) for start in range(5, 25)]
-    windows = packed_windows(tokenizer, texts, seq_len=24, count=20)
+    windows = tiny_target_windows
     heads = train_medusa(tiny_target, windows, final_hidden_states(tiny_target, windows), 3, steps=150,
                          batch_size=128, learning_rate=1e-2)
     folder = tmp_path_factory.mktemp("medusa")

@@ -198,15 +198,18 @@ def test_engine_thread_serves_and_stops(tiny_target, tokenizer):
 
 
 def test_requests_drafting_from_the_targets_features_share_a_batch(tiny_target, tokenizer, tmp_path):
-    """EAGLE and Medusa read the target's hidden states, so they take forwards of their own beside the batch;
-    with long prompts prefilled in chunks, the EAGLE head still sees the features of every chunk."""
+    """EAGLE and Medusa read the target's hidden states, and PaSS drafts with a target forward, so they take
+    forwards of their own beside the batch; with long prompts prefilled in chunks, the EAGLE head still sees the
+    features of every chunk, and PaSS's drafting forward reads the last chunk."""
     from accelgen.train.eagle import new_head
     from accelgen.train.medusa import MedusaHeads
+    from accelgen.train.pass_embeddings import new_embeddings
 
     new_head(tiny_target).save(tmp_path / "eagle")
     MedusaHeads(2, 64, 49152).save(tmp_path / "medusa")
+    new_embeddings(tiny_target, 3).save(tmp_path / "pass")
     requests = [("eagle", {"heads": str(tmp_path / "eagle"), "width": 2, "depth": 2, "max_nodes": 4}),
-                ("medusa", {"heads": str(tmp_path / "medusa")}), ("autoregressive", {})]
+                ("medusa", {"heads": str(tmp_path / "medusa")}), ("pass", {"heads": str(tmp_path / "pass")})]
     alone, batched = alone_and_batched(Engine(max_batch=3, prefill_chunk=4, speculation=TokenBudget(0)), tiny_target,
                                        tokenizer, requests)
     assert [result.token_ids for result in batched] == [result.token_ids for result in alone]

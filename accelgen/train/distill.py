@@ -1,0 +1,294 @@
+"""Distilling a draft model toward its target: shared by DistillSpec (`accelgen train distillspec`,
+drafters/distillspec.py) and online speculative decoding (drafters/online.py).
+
+The draft is taught the target's next-token distribution at chosen positions of token sequences:
+
+- **Divergences** (`DIVERGENCES`): forward KL, KL(target ‖ draft), which spreads the draft over every token
+  the target finds likely; reverse KL, KL(draft ‖ target), which makes it pick one of them; and total variation
+  (TVD). With speculative sampling the acceptance rate at a position is exactly 1 − TVD, which is why
+  DistillSpec (Zhou et al. 2023, arXiv:2310.08461) found TVD best for greedy verification on several tasks.
+- **Temperature.** The distributions are compared at temperature 1, the logits themselves, unless a loss is
+  given another: a draft whose logits match the target's matches it at every sampling temperature, and greedy
+  decoding needs only the argmax to agree.
+- **Top-k targets.** A target distribution may be kept as its k most likely tokens (online decoding keeps
+  only that). Both distributions are then compared over those k tokens plus one bucket holding the rest of
+  the mass (`with_rest`), a coarser distribution on which all three divergences stay finite.
+- **Which weights train.** The decoder layers and the final norm, in float32: all layers, or the last
+  `train_layers`. The embeddings and the LM head stay frozen. In Qwen2.5-0.5B they are one tied 152k × 896
+  matrix, 27% of the weights. A few hundred sequences reach few of its rows, and its AdamW state alone would
+  take 1.6 GB. Freezing the lower layers as well cuts the backward pass short and saves memory and time.
+  bfloat16 weights would round most updates of a small learning rate away. No adapter library is needed.
+
+**On-policy data (DistillSpec).** At each step the draft itself continues a batch of prompts (one half of
+them sampled at temperature 1, the other half greedy, alternating). The target then scores the same sequences
+in one forward without gradients, and the loss is taken at the generated positions only, never the prompt. The
+draft is thus taught where its own drafts lead, which is where the target will judge it. The target's logits
+are computed per step and dropped after it. Storing full-vocabulary logits would take 600 kB per position in
+float32 for Qwen's 151,936 tokens, so a step holds batch × max_new_tokens rows at most (256 rows ≈ 150 MB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from accelgen.generate import generate
+
+DIVERGENCES = ("tvd", "fkl", "rkl")
+DISTILLSPEC_FILE = "distillspec.json"  # beside a distilled draft's weights: what it was distilled for
+FINGERPRINT_ROWS = 64  # embedding rows hashed to recognise a model
+
+
+# --- divergences ---
+
+
+def check_divergence(name: str) -> None:
+    if name not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {name!r}; choose one of {', '.join(DIVERGENCES)} "
+                         "(tvd: total variation, fkl: KL(target ‖ draft), rkl: KL(draft ‖ target))")
+
+
+def divergence(name: str, target_log_probs: torch.Tensor, draft_log_probs: torch.Tensor) -> torch.Tensor:
+    """(m,) divergence between the target's and the draft's distributions at m positions, given as finite
+    log-probabilities (m, n) over the same n outcomes."""
+    check_divergence(name)
+    target_probs, draft_probs = target_log_probs.exp(), draft_log_probs.exp()
+    if name == "tvd":
+        return 0.5 * (target_probs - draft_probs).abs().sum(-1)
+    if name == "fkl":
+        return (target_probs * (target_log_probs - draft_log_probs)).sum(-1)
+    return (draft_probs * (draft_log_probs - target_log_probs)).sum(-1)
+
+
+def with_rest(top_log_probs: torch.Tensor) -> torch.Tensor:
+    """(m, k + 1): log-probabilities of k tokens (m, k), then of everything else as one outcome."""
+    rest = (1 - top_log_probs.logsumexp(-1, keepdim=True).exp()).clamp(min=torch.finfo(top_log_probs.dtype).tiny)
+    return torch.cat([top_log_probs, rest.log()], dim=-1)
+
+
+@dataclass
+class Example:
+    """One token sequence and the positions of it where the draft is taught the target's next-token law."""
+
+    token_ids: torch.Tensor  # (n,) long
+    positions: torch.Tensor  # (m,) long: indices i whose logits (predicting token i + 1) are taught
+    target_log_probs: torch.Tensor  # (m, k) float32: the target's log-probabilities there
+    target_ids: torch.Tensor | None = None  # (m, k) long: the tokens of those k columns; None: the whole vocabulary
+
+
+def distillation_loss(draft_logits: torch.Tensor, example: Example, name: str,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """(m,) divergence at the example's positions from the draft's logits there (m, vocab); the example's
+    target log-probabilities must have been taken at the same temperature."""
+    draft_log_probs = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
+    target_log_probs = example.target_log_probs
+    if example.target_ids is not None:  # a top-k target: compare over its k tokens + the rest
+        draft_log_probs = with_rest(draft_log_probs.gather(-1, example.target_ids))
+        target_log_probs = with_rest(target_log_probs)
+    return divergence(name, target_log_probs, draft_log_probs)
+
+
+# --- one step ---
+
+
+def logits_at(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(m, vocab) float32 logits after the tokens at positions (m,) of token_ids (n,): the decoder runs over the
+    whole sequence, the vocabulary-sized LM head only at those rows."""
+    return model(input_ids=token_ids[None].to(model.device), logits_to_keep=positions.to(model.device)).logits[0].float()
+
+
+def trainable_parameters(model, layers: int | None = None) -> list[torch.nn.Parameter]:
+    """The parameters distillation trains: the last `layers` decoder layers (all when None) and the final norm."""
+    decoder = model.model.layers
+    if layers is not None and not 1 <= layers <= len(decoder):
+        raise ValueError(f"train_layers must be between 1 and the draft's {len(decoder)} layers, got {layers}")
+    chosen = decoder if layers is None else decoder[len(decoder) - layers :]
+    parameters = [p for layer in chosen for p in layer.parameters()] + list(model.model.norm.parameters())
+    wrong = {p.dtype for p in parameters} - {torch.float32}
+    if wrong:
+        raise ValueError(f"the draft's weights are {sorted(map(str, wrong))}: distillation trains them in float32 "
+                         "(load the draft with dtype float32; CLI: --draft-dtype float32)")
+    return parameters
+
+
+@contextlib.contextmanager
+def training_only(model, parameters: list[torch.nn.Parameter]):
+    """Gradients for these parameters alone (the backward pass stops below the lowest of them), restored after."""
+    flags = {p: p.requires_grad for p in model.parameters()}
+    chosen = {id(p) for p in parameters}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
+
+def distillation_step(draft_model, optimizer: torch.optim.Optimizer, parameters: list[torch.nn.Parameter],
+                      examples: list[Example], name: str) -> float:
+    """One optimizer step on the mean divergence over every position of the examples; returns that mean
+    (before the step). One sequence at a time goes through forward and backward, so memory holds one."""
+    total = sum(len(example.positions) for example in examples)
+    if total == 0:
+        raise ValueError("nothing to distill: the examples have no positions")
+    loss = 0.0
+    with training_only(draft_model, parameters):
+        for example in examples:
+            draft_logits = logits_at(draft_model, example.token_ids, example.positions)  # (m, vocab), with grad
+            example_loss = distillation_loss(draft_logits, example, name).sum() / total
+            example_loss.backward()
+            loss += float(example_loss.detach())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# --- DistillSpec: on-policy data ---
+
+
+@torch.no_grad()
+def on_policy_examples(target_model, draft_model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
+                       first: int = 0, seed: int = 0) -> list[Example]:
+    """The draft continues each prompt, then the target scores the sequence: one Example per prompt, taught at
+    the generated tokens. Prompt number `first + j` is sampled at temperature 1 when even, greedy when odd."""
+    examples = []
+    for offset, prompt in enumerate(prompts):
+        number = first + offset
+        continuation = generate(draft_model, tokenizer, prompt, max_new_tokens=max_new_tokens,
+                                temperature=1.0 if number % 2 == 0 else 0.0, seed=seed + number).token_ids
+        if not continuation:
+            continue
+        token_ids = torch.tensor(prompt + continuation)
+        positions = torch.arange(len(prompt) - 1, len(token_ids) - 1)  # each predicts a generated token
+        target_log_probs = torch.log_softmax(logits_at(target_model, token_ids, positions), dim=-1)
+        examples.append(Example(token_ids, positions, target_log_probs))
+    return examples
+
+
+def distill(target_model, draft_model, tokenizer, prompts: list[list[int]], *, steps: int, batch_size: int,
+            max_new_tokens: int, divergence_name: str = "fkl", learning_rate: float = 5e-6,
+            train_layers: int | None = None, seed: int = 0, progress: Callable[[dict], None] | None = None) -> dict:
+    """DistillSpec: `steps` AdamW steps on fresh on-policy batches of `batch_size` prompts (cycled). The draft,
+    in float32, is changed in place. Returns the losses, the taught tokens and the seconds taken."""
+    check_divergence(divergence_name)
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not prompts:
+        raise ValueError("no training prompts")
+    parameters = trainable_parameters(draft_model, train_layers)
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate)
+    losses, taught = [], 0
+    started = time.perf_counter()
+    for step in range(steps):
+        step_started = time.perf_counter()
+        first = step * batch_size
+        batch = [prompts[(first + i) % len(prompts)] for i in range(batch_size)]
+        examples = on_policy_examples(target_model, draft_model, tokenizer, batch, max_new_tokens=max_new_tokens,
+                                      first=first, seed=seed)
+        if not examples:  # every continuation ended at once (EOS): nothing to teach this step
+            continue
+        losses.append(distillation_step(draft_model, optimizer, parameters, examples, divergence_name))
+        tokens = sum(len(example.positions) for example in examples)
+        taught += tokens
+        if progress is not None:
+            progress({"step": step + 1, "steps": steps, "loss": losses[-1],
+                      "tokens_per_second": tokens / (time.perf_counter() - step_started)})
+    return {"losses": losses, "taught_tokens": taught, "seconds": time.perf_counter() - started}
+
+
+def acceptance(target_model, draft_model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
+               gamma: int = 5) -> dict:
+    """α (accepted / drafted tokens) and τ (new tokens per target forward) of greedy `speculative` decoding
+    with this draft, pooled over the prompts."""
+    drafted = accepted = new_tokens = forwards = 0
+    for prompt in prompts:
+        stats = generate(target_model, tokenizer, prompt, method="speculative", draft_model=draft_model,
+                         max_new_tokens=max_new_tokens, gamma=gamma).stats
+        drafted += stats["draft_tokens"]
+        accepted += stats["accepted_draft_tokens"]
+        new_tokens += stats["new_tokens"]
+        forwards += stats["target_forwards"]
+    return {"acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_tokens": new_tokens / forwards if forwards else 0.0,
+            "prompts": len(prompts), "new_tokens": new_tokens}
+
+
+# --- prompts ---
+
+
+def distillation_prompts(dataset: str, tokenizer, count: int, held_out: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(up to `count` training prompts, `held_out` prompts to measure α on), as token ids. Benchmark prompts
+    never train:
+
+    humaneval     the first held_out tasks are held out: the ones `accelgen bench --dataset humaneval
+                  --limit N` runs for N <= held_out; the tasks after them train
+    sharegpt      held out: the first prompts of the `sharegpt` benchmark's sample; training: the first human
+                  turns of the other conversations
+    jsonl:FILE    (or specbench:FILE) the first held_out prompts are held out, the ones after them train
+    """
+    from accelgen.bench.datasets import load_dataset, prompt_token_ids
+
+    if count < 1 or held_out < 1:
+        raise ValueError(f"need at least one training and one held-out prompt, got {count} and {held_out}")
+    if dataset == "sharegpt":
+        held, training = load_dataset("sharegpt", limit=held_out), sharegpt_training_prompts(count)
+    else:
+        prompts = load_dataset(dataset)
+        held, training = prompts[:held_out], prompts[held_out : held_out + count]
+    if len(held) < held_out or not training:
+        raise ValueError(f"dataset {dataset!r} gave {len(held)} held-out and {len(training)} training prompts; "
+                         f"--held-out {held_out} and at least one to train on are needed")
+    return ([prompt_token_ids(tokenizer, p) for p in training], [prompt_token_ids(tokenizer, p) for p in held])
+
+
+def sharegpt_training_prompts(count: int) -> list:
+    """First human turns of ShareGPT conversations outside the `sharegpt` benchmark's sample, in file order."""
+    from accelgen.bench.datasets import (SHAREGPT_MAX_PROMPT_CHARS, Prompt, iter_json_array, sharegpt_file,
+                                         sharegpt_sampled)
+
+    prompts = []
+    for conversation in iter_json_array(sharegpt_file(), truncated_ok=True):
+        if len(prompts) >= count:
+            break
+        conversation_id = str(conversation.get("id", ""))
+        turns = conversation.get("conversations") or []
+        if not turns or sharegpt_sampled(conversation_id):
+            continue
+        text = turns[0].get("value")
+        if turns[0].get("from") == "human" and isinstance(text, str) and 0 < len(text.strip()) <= SHAREGPT_MAX_PROMPT_CHARS:
+            prompts.append(Prompt(conversation_id, "sharegpt", text, chat=True))
+    return prompts
+
+
+# --- saving a distilled draft ---
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of the model's first embedding rows, rounded to bfloat16 so that the same weights loaded in
+    float32 or bfloat16 give the same fingerprint."""
+    rows = model.get_input_embeddings().weight[:FINGERPRINT_ROWS].detach().to(torch.bfloat16).cpu()
+    return hashlib.sha1(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+
+
+def distilled_for(target_model, target_name: str) -> dict:
+    """What `distillspec.json` records about the target, so that the draft is refused for any other."""
+    return {"target": target_name, "target_fingerprint": model_fingerprint(target_model),
+            "target_vocab_size": target_model.config.vocab_size}
+
+
+def save_distilled(draft_model, tokenizer, folder: Path, info: dict) -> None:
+    """The draft as a model folder (weights, config, tokenizer) with distillspec.json beside its weights."""
+    folder = Path(folder)
+    draft_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / DISTILLSPEC_FILE).write_text(json.dumps(info, indent=1) + "\n")

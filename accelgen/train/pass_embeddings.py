@@ -1,0 +1,168 @@
+"""PaSS look-ahead embeddings (Monea et al. 2023, arXiv:2311.13581), trained on this CPU with the target frozen.
+
+PaSS lets the target draft for itself. k trained vectors, the *look-ahead embeddings*, are fed after the
+last committed token in place of token embeddings. The target's logits at look-ahead slot i then guess the
+token i + 2 places after the committed text (the last token's own row guesses the next one, as always). Only
+the k × d look-ahead weights train; the model is untouched.
+
+Training (`accelgen train pass`), per step and for a batch of packed windows of the dataset:
+
+1. The frozen target runs over the windows once, without gradients, filling a KV cache. Its greedy choice at
+   each position is the label: what the slots must guess is the target's own next token, not the dataset's.
+2. At `cuts` random positions t per window, the k slots are appended as t + 1 .. t + k: each group sees the
+   window up to t and its own earlier slots (one attention mask for all groups), so the real tokens' cache is
+   shared and only the slots' rows carry gradients.
+3. Slot i at t is trained, by cross-entropy, to give the target's choice at position t + 1 + i.
+
+Held-out windows give each slot's top-1 accuracy, and the mean number of slots accepted in a row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from accelgen import cache as kv
+from accelgen.models.layerwise import llama_decoder
+from accelgen.models.runner import blocking_mask
+from accelgen.train.heads import load_heads, save_heads
+
+NAME = "pass_embeddings"
+
+
+class LookaheadEmbeddings(torch.nn.Module):
+    def __init__(self, count: int, hidden_size: int, vocab_size: int = 0, base_model: str = "", layer_count: int = 0):
+        super().__init__()
+        if count < 1:
+            raise ValueError(f"PaSS needs at least one look-ahead embedding, got {count}")
+        self.hidden_size, self.vocab_size, self.base_model, self.layer_count = hidden_size, vocab_size, base_model, layer_count
+        self.vectors = torch.nn.Parameter(torch.zeros(count, hidden_size))  # (k, d)
+
+    def __len__(self) -> int:
+        return len(self.vectors)
+
+    def describe_shape(self) -> dict:
+        return {"hidden_size": self.hidden_size, "layer_count": self.layer_count, "vocab_size": self.vocab_size}
+
+    def save(self, folder) -> None:
+        save_heads(self, folder, NAME, {"count": len(self), "base_model": self.base_model, **self.describe_shape()})
+
+    @classmethod
+    def load(cls, folder, model=None) -> "LookaheadEmbeddings":
+        return load_heads(cls, folder, NAME, "accelgen train pass", model)
+
+
+def new_embeddings(model, count: int, seed: int = 0) -> LookaheadEmbeddings:
+    """k slots starting near the mean token embedding (a "typical token"), each nudged apart at random."""
+    embeddings = LookaheadEmbeddings(count, model.config.hidden_size, model.config.vocab_size,
+                                     str(getattr(model, "name_or_path", "")), model.config.num_hidden_layers)
+    table = model.get_input_embeddings().weight.detach().float()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        noise = torch.randn(count, table.shape[1], generator=generator) * table.std(0) * 0.1
+        embeddings.vectors.copy_(table.mean(0) + noise)
+    return embeddings
+
+
+def lookahead_layout(cuts: torch.Tensor, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (c·k,), allowed (c·k, length + c·k) bool) of k slots appended after each cut of cuts (c,) in a
+    window of `length` tokens: the slots of a cut see the window up to it and their own group's earlier slots."""
+    slot = torch.arange(count).repeat(len(cuts))  # (c·k,) slot index i
+    cut = cuts.repeat_interleave(count)  # (c·k,) the cut t of each row
+    sees_window = torch.arange(length)[None, :] <= cut[:, None]
+    sees_slot = (cut[:, None] == cut[None, :]) & (slot[None, :] <= slot[:, None])
+    return cut + 1 + slot, torch.cat([sees_window, sees_slot], dim=1)
+
+
+def random_cuts(length: int, count: int, cuts: int, generator: torch.Generator, min_context: int = 4) -> torch.Tensor:
+    """(c,) distinct sorted positions t with room for k slots whose labels lie inside the window."""
+    last = length - count - 1  # slot k-1 at t + k needs the target's choice at t + k <= length - 1
+    if last < min_context:
+        raise ValueError(f"windows of {length} tokens are too short for {count} look-ahead slots")
+    picked = torch.randperm(last - min_context + 1, generator=generator)[:cuts] + min_context
+    return picked.sort().values
+
+
+def slot_logits(model, embeddings: LookaheadEmbeddings, windows: torch.Tensor, cuts: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (b, c·k, vocab) float32 of the slots appended at cuts (b, c) of windows (b, n), with gradients to the
+    embeddings; labels (b, c·k): the target's own greedy choice at each slot's position)."""
+    decoder = llama_decoder(model, "PaSS")
+    lm_head = model.get_output_embeddings()
+    count, length = len(embeddings), windows.shape[1]
+    layouts = [lookahead_layout(row_cuts, count, length) for row_cuts in cuts]
+    positions = torch.stack([positions for positions, _ in layouts])  # (b, c·k)
+    with torch.no_grad():
+        cache = kv.new_cache(model.config)
+        hidden = decoder(input_ids=windows.to(model.device), past_key_values=cache, use_cache=True).last_hidden_state
+        rows = hidden[torch.arange(len(windows))[:, None], positions]  # (b, c·k, d) the rows that choose the labels
+        labels = lm_head(rows).argmax(-1)
+    masks = torch.stack([blocking_mask(allowed, model.dtype) for _, allowed in layouts])  # (b, 1, c·k, n + c·k)
+    inputs = embeddings.vectors.to(model.dtype).repeat(len(cuts), cuts.shape[1], 1)  # (b, c·k, d)
+    slots = decoder(inputs_embeds=inputs, position_ids=positions.to(model.device), attention_mask=masks.to(model.device),
+                    past_key_values=cache, use_cache=True).last_hidden_state
+    return lm_head(slots).float(), labels
+
+
+@dataclass
+class PassConfig:
+    count: int = 4  # look-ahead slots k
+    steps: int = 200
+    batch_size: int = 2  # windows per step
+    cuts: int = 16  # positions per window the slots are appended at
+    learning_rate: float = 3e-3
+
+    def __post_init__(self):
+        if min(self.count, self.steps, self.batch_size, self.cuts) < 1 or self.learning_rate <= 0:
+            raise ValueError("look-ahead slots, steps, batch size, cuts and learning rate must be positive")
+
+
+def train_pass(model, windows: torch.Tensor, config: PassConfig, seed: int = 0,
+               progress: Callable[[dict], None] | None = None) -> LookaheadEmbeddings:
+    """Train k look-ahead embeddings for the frozen model on windows (count, n)."""
+    embeddings = new_embeddings(model, config.count, seed)
+    optimizer = torch.optim.Adam(embeddings.parameters(), lr=config.learning_rate)
+    generator = torch.Generator().manual_seed(seed)
+    frozen = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in frozen:  # the model's weights need no gradients: only the slots train
+        parameter.requires_grad_(False)
+    started = time.perf_counter()
+    try:
+        for step in range(config.steps):
+            rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
+            cuts = torch.stack([random_cuts(windows.shape[1], config.count, config.cuts, generator) for _ in rows])
+            logits, labels = slot_logits(model, embeddings, windows[rows], cuts)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if progress is not None:
+                right = (logits.argmax(-1) == labels).float().reshape(len(rows), -1, config.count)
+                seconds = time.perf_counter() - started
+                progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
+                          "accuracy": [float(a) for a in right.mean((0, 1))], "seconds": seconds,
+                          "tokens_per_second": (step + 1) * labels.numel() / seconds})
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+    return embeddings.eval()
+
+
+@torch.no_grad()
+def evaluate_pass(model, embeddings: LookaheadEmbeddings, windows: torch.Tensor, cuts: int = 16, seed: int = 1) -> dict:
+    """On windows not trained on: each slot's top-1 against the target's choice, and the mean number of slots
+    right in a row (what a greedy draft of the next token + the slots would get accepted beyond the first)."""
+    generator = torch.Generator().manual_seed(seed)
+    count = len(embeddings)
+    right = []
+    for window in windows:
+        window_cuts = random_cuts(len(window), count, cuts, generator)[None]
+        logits, labels = slot_logits(model, embeddings, window[None], window_cuts)
+        right.append((logits.argmax(-1) == labels).reshape(-1, count))
+    right = torch.cat(right).float()  # (positions, k)
+    in_a_row = right.cumprod(dim=1).sum(dim=1)
+    return {"top1": [float(a) for a in right.mean(0)], "mean_slots_in_a_row": float(in_a_row.mean()),
+            "positions": len(right)}
