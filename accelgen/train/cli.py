@@ -6,6 +6,8 @@
     medusa         Medusa / blockwise heads on the frozen target's last hidden states (train/medusa.py)
     eagle          an EAGLE head: one decoder layer over the frozen target's features (train/eagle.py)
     pass           PaSS look-ahead embeddings, so that the frozen target drafts for itself (train/pass_embeddings.py)
+    distillspec    distil a draft model toward the target on the draft's own generations (train/distill.py)
+    online         stream requests through `online` and watch the draft's acceptance rise (drafters/online.py)
 """
 
 from __future__ import annotations
@@ -301,8 +303,6 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
         """DistillSpec: distill the draft toward the target on the draft's own generations; α before and after."""
-        import time
-
         import torch
 
         from accelgen.drafters.draft_model import check_vocabularies
