@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
+from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, register
 from accelgen.train.distill import DISTILLSPEC_FILE, model_fingerprint
@@ -49,6 +49,6 @@ register(
                 "(`accelgen train distillspec`)",
         make_drafter=_make,
         needs=("draft_model",),
-        options={"gamma": 5, "gamma_schedule": "constant", "max_gamma": 32, "confidence_threshold": 0.0},
+        options=dict(DRAFTING_OPTIONS),
     )
 )

@@ -23,6 +23,8 @@ from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 from accelgen.theory import AcceptanceEstimate, best_gamma
 
 GAMMA_SCHEDULES = ("constant", "heuristic", "cost")
+# the options of DraftModelDrafter's drafting, for every method that drafts with it (speculative, distillspec, online)
+DRAFTING_OPTIONS = {"gamma": 5, "gamma_schedule": "constant", "max_gamma": 32, "confidence_threshold": 0.0}
 
 
 class DraftModelDrafter:
@@ -196,6 +198,6 @@ register(
         summary="a small draft model proposes gamma tokens, the target verifies them in one forward",
         make_drafter=_make,
         needs=("draft_model",),
-        options={"gamma": 5, "gamma_schedule": "constant", "max_gamma": 32, "confidence_threshold": 0.0},
+        options=dict(DRAFTING_OPTIONS),
     )
 )

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from accelgen.draft import Draft, Verdict
-from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
+from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies
 from accelgen.generate import generate
 from accelgen.registry import MethodSpec, register
 from accelgen.train.distill import Example, check_divergence, distillation_step, trainable_parameters
@@ -198,8 +198,7 @@ register(
         make_drafter=_make,
         needs=("draft_model",),
         options={"learner": None, "interval": 5, "buffer_size": 512, "divergence": "fkl", "learning_rate": 1e-5,
-                 "update_steps": 4, "target_top_k": 32, "train_layers": None,
-                 "gamma": 5, "gamma_schedule": "constant", "max_gamma": 32, "confidence_threshold": 0.0},
+                 "update_steps": 4, "target_top_k": 32, "train_layers": None, **DRAFTING_OPTIONS},
     )
 )
 
