@@ -178,12 +178,11 @@ def run_method(
 
 
 def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
-    needs_draft = "draft_model" in method.needs
     if "references" in method.needs and not options.get("references"):
         options = {**options, "references": [prompt_ids]}  # benchmark prompts carry no documents: see PROMPT_RESOURCES
     started = time.perf_counter()
     result = accelgen.generate(model, tokenizer, prompt_ids, method=method.registered_name,
-                               draft_model=draft_model if needs_draft else None, max_new_tokens=max_new_tokens,
+                               draft_model=draft_model, max_new_tokens=max_new_tokens,  # `auto` may use it
                                temperature=temperature, seed=seed, **options)
     seconds = time.perf_counter() - started
     stats = result.stats
@@ -200,6 +199,7 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
         "mean_layers": stats.get("mean_layers"),  # early exit: layers a decoded token went through
         "hit_rate": stats.get("hit_rate"),  # ppd: tokens whose first layers a candidate had run
         "compute": stats.get("compute"),  # ppd: layer-rows run, relative to plain decoding
+        "choice": stats.get("choice"),  # auto: the method it delegated to, and why
     }
 
 

@@ -24,7 +24,7 @@ AUTO_FILE = "auto.json"
 def candidates(has_draft: bool) -> list[tuple[str, dict]]:
     """(method, options) pairs a calibration compares; all use the default (lossless) verifier."""
     with_draft = [("speculative", {"gamma": gamma}) for gamma in (3, 5, 8)]
-    with_draft += [("speculative", {"gamma_schedule": "cost"}), ("specinfer", {})]
+    with_draft += [("speculative", {"gamma_schedule": "cost"}), ("specinfer", {}), ("cascade", {})]
     model_free = [("pld", {}), ("trie-lookahead", {}), ("lookahead-decoding", {}), ("self-speculative", {})]
     return [("autoregressive", {})] + (with_draft if has_draft else []) + model_free
 

@@ -33,6 +33,7 @@ from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
 from accelgen.models.runner import ModelRunner, additive_mask
 from accelgen.registry import MethodSpec, register
 from accelgen.train.eagle import EagleHead
+from accelgen.train.heads import DraftLMHead
 
 
 class EagleScorer:
@@ -40,13 +41,8 @@ class EagleScorer:
 
     def __init__(self, target_model, head: EagleHead):
         self.embed = target_model.get_input_embeddings()
-        lm_head = target_model.get_output_embeddings()
-        self.vocab_size = lm_head.weight.shape[0]
+        self.lm_head = DraftLMHead(target_model.get_output_embeddings(), head.vocab)
         self.head = head
-        # the LM head's rows of the head's draft vocabulary (all rows if it has none)
-        self.vocab = head.vocab if len(head.vocab) else None
-        self.lm_rows = lm_head.weight if self.vocab is None else lm_head.weight[self.vocab]
-        self.lm_bias = None if lm_head.bias is None else (lm_head.bias if self.vocab is None else lm_head.bias[self.vocab])
         self.max_positions = getattr(target_model.config, "max_position_embeddings", None) or 1 << 30
         self.cache = kv.new_cache(head.config)
         self.fed = 0  # positions the head's cache holds: pairs (f_j, x_{j+1}) for j < fed
@@ -74,7 +70,7 @@ class EagleScorer:
             self.fed = len(features)
             self.root_feature = output[-1]
         self.predicted = {}
-        return self._logits(self.root_feature[None])[0]
+        return self.lm_head(self.root_feature[None])[0]
 
     @torch.inference_mode()
     def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
@@ -87,16 +83,7 @@ class EagleScorer:
                                tree_attention(kept_parents)[1:, 1:])
         kv.crop(self.cache, self.fed)  # keep only pairs of true features
         self.predicted.update(zip(kept, output))
-        return self._logits(output[[kept.index(node) for node in nodes]])
-
-    def _logits(self, features: torch.Tensor) -> torch.Tensor:
-        """(k, vocab) float32 logits from predicted features (k, d); -inf outside the draft vocabulary."""
-        logits = torch.nn.functional.linear(features, self.lm_rows, self.lm_bias).float()
-        if self.vocab is None:
-            return logits
-        full = torch.full((len(features), self.vocab_size), float("-inf"))
-        full[:, self.vocab] = logits
-        return full
+        return self.lm_head(output[[kept.index(node) for node in nodes]])
 
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
         """(m, d) predicted features for tokens (m,) with features (m, d), placed after the cached pairs as

@@ -1,25 +1,32 @@
 """Medusa (Cai et al. 2024) and blockwise parallel decoding (Stern et al. 2018): drafts from heads on the
 target's own last hidden state, trained by `accelgen train medusa` (train/medusa.py).
 
-After each step, the hidden state of the last committed row (the row whose logits chose the new root) goes
-through the K heads; head k guesses the token k places after the root. With blockwise, the draft is the chain
-of the heads' top-1 tokens, verified by greedy longest-prefix match (Stern et al.'s verification). With
-medusa, the draft is a static tree from the Cartesian product of the heads' top-k. The tree is given by path
-choices: path [0, 2] is head 1's best token followed by head 2's third best. All of it is verified in one
-target forward with tree attention. Greedy verification is exact, and the tests check it token for token.
+After each step, the feature of the last committed row (the row whose logits chose the new root) goes through
+the K heads; head k guesses the token k places after the root, whatever the tokens between. The tree is grown
+by the shared tree drafter (drafters/draft_tree.py) with the heads as its scorer: a node at depth d gets its
+children from head d + 1.
+
+- `blockwise`: the chain of the heads' top-1 tokens, verified by longest-prefix match (Stern et al.).
+- `medusa`: a static tree from the Cartesian product of the heads' top-k, given by path choices: path [0, 2]
+  is head 1's best token followed by head 2's third best. With `width` > 0 the tree is dynamic instead:
+  EAGLE-2's expansion of the `width` most probable nodes per level, by the product of the heads' confidences.
+  All of it is verified in one target forward with tree attention.
+
+Greedy verification is exact. For sampling, each node's children are drawn i.i.d. from its head's distribution
+and verified with SpecInfer's multi-step rule, so the output follows the target's distribution exactly; the
+tests check both. `medusa-typical` drafts as `medusa` and verifies with Medusa's typical acceptance
+(verify/typical.py), which accepts more and is lossy by design; the benchmark reports its agreement.
 
 The heads read the target's hidden states, which the runner keeps for them (`ModelRunner.keep_hidden`). A
 sequence drafting with them therefore takes a forward of its own in the server rather than a batched one.
-Both are greedy only. `medusa-typical` drafts as `medusa` and verifies with Medusa's typical acceptance
-(verify/typical.py), which accepts more and is lossy by design; the benchmark reports its agreement.
 """
 
 from __future__ import annotations
 
 import torch
 
-from accelgen.draft import ROOT, Draft
-from accelgen.drafters.draft_tree import shape_from_paths
+from accelgen.draft import depths
+from accelgen.drafters.draft_tree import DraftTreeDrafter
 from accelgen.models.layerwise import llama_decoder
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
@@ -31,38 +38,36 @@ from accelgen.verify.typical import check_typical_options, verify_typical
 DEFAULT_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
 
-class MedusaDrafter:
-    def __init__(self, target_model, heads: MedusaHeads, paths: list[list[int]]):
+class MedusaScorer:
+    """Draft logits from Medusa heads (the scorer of DraftTreeDrafter): every head at once from the feature of
+    the row that chose the root; a node's children come from the head one deeper, whatever the node's token."""
+
+    max_positions = 1 << 30  # the heads add no context limit: the target's runner checks its own
+
+    def __init__(self, target_model, heads: MedusaHeads):
         llama_decoder(target_model, "drafting from the target's hidden states")  # the runner calls model.model
-        self.lm_head = target_model.get_output_embeddings()
         self.heads = heads
-        self.paths = sorted({tuple(path) for path in paths}, key=lambda path: (len(path), path))
-        shape_from_paths([list(path) for path in self.paths])  # checks that every prefix is there
-        deepest = max(len(path) for path in self.paths)
-        if deepest > len(heads):
-            raise ValueError(f"paths reach depth {deepest}, but the heads guess only {len(heads)} tokens ahead")
+        self.lm_head = heads.lm_head(target_model)
+        self.guesses: torch.Tensor | None = None  # (K, vocab) every head's logits for this step
         self.target: ModelRunner | None = None
-        self.next_hidden: torch.Tensor | None = None  # (d,) the last committed row's hidden state
 
     def attach(self, target: ModelRunner) -> None:
         self.target = target
         target.keep_hidden = True
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
-        if self.next_hidden is None:  # the first step: the prompt's hidden states do not exist yet
-            return Draft.empty()
-        widest = max(path[-1] for path in self.paths) + 1
-        guesses = self.heads(self.next_hidden, self.lm_head).topk(widest, dim=-1).indices  # (K, widest)
-        tokens, parents, node_of = [], [], {(): ROOT}
-        for path in self.paths:
-            node_of[path] = len(tokens)
-            tokens.append(int(guesses[len(path) - 1, path[-1]]))
-            parents.append(node_of[path[:-1]])
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)).truncated(max_nodes)
+    def root_logits(self, context: list[int]) -> torch.Tensor | None:
+        """(vocab,) head 1's logits; None on the first step, before the target has any features."""
+        features = self.target.hidden  # (cached, d): the last row is the one that chose the root
+        if features is None or len(features) == 0:
+            return None
+        self.guesses = self.lm_head(self.heads(features[-1]))
+        return self.guesses[0]
 
-    def update(self, draft: Draft, verdict, target_logits: torch.Tensor) -> None:
-        self.next_hidden = self.target.hidden[-1]  # the last cached row: its logits chose the new root
+    def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(nodes), vocab) the logits of each node's children: those of the head one deeper than the node."""
+        depth = depths(torch.tensor(parents, dtype=torch.long))
+        return self.guesses[depth[nodes]]
 
 
 def load(target_model, heads) -> MedusaHeads:
@@ -72,24 +77,32 @@ def load(target_model, heads) -> MedusaHeads:
     return MedusaHeads.load(heads, target_model)
 
 
-def _make_medusa(target_model, *, heads, paths, **_):
+def _make_medusa(target_model, *, sampling, generator, heads, paths, width, depth, max_nodes, **_):
     medusa = load(target_model, heads)
-    if not paths:  # the default tree, down to the depth the heads reach
-        paths = [path for path in DEFAULT_PATHS if len(path) <= len(medusa)]
-    return MedusaDrafter(target_model, medusa, paths)
+    scorer = MedusaScorer(target_model, medusa)
+    if width:  # dynamic
+        if depth > len(medusa):
+            raise ValueError(f"depth {depth} is deeper than the {len(medusa)} tokens the heads guess ahead")
+        return DraftTreeDrafter(scorer, sampling, generator, width=width, depth=depth or len(medusa),
+                                max_nodes=max_nodes or 32)
+    paths = paths or [path for path in DEFAULT_PATHS if len(path) <= len(medusa)]  # the default, as deep as the heads go
+    drafter = DraftTreeDrafter(scorer, sampling, generator, paths=paths)
+    deepest = max(map(len, drafter.shape)) + 1
+    if deepest > len(medusa):
+        raise ValueError(f"paths reach depth {deepest}, but the heads guess only {len(medusa)} tokens ahead")
+    return drafter
 
 
-def _make_blockwise(target_model, *, heads, **_):
-    medusa = load(target_model, heads)
-    chain = [[0] * depth for depth in range(1, len(medusa) + 1)]  # each head's top-1, one after the other
-    return MedusaDrafter(target_model, medusa, chain)
+def _make_blockwise(target_model, *, sampling, generator, heads, **_):
+    medusa = load(target_model, heads)  # the chain of each head's top-1 (or draw, when sampling)
+    return DraftTreeDrafter(MedusaScorer(target_model, medusa), sampling, generator, branching=[1] * len(medusa))
 
 
 register(
     MethodSpec(
         name="blockwise",
         family="speculative",
-        lossless="greedy-exact",
+        lossless="distribution-exact",
         paper="Stern et al. 2018, arXiv:1811.03115",
         summary="k heads on the target's last hidden state propose the next k tokens at once; the longest prefix "
                 "the target agrees with is kept",
@@ -103,13 +116,13 @@ register(
     MethodSpec(
         name="medusa",
         family="speculative",
-        lossless="greedy-exact",
+        lossless="distribution-exact",
         paper="Cai et al. 2024, arXiv:2401.10774",
         summary="Medusa heads on the target's last hidden state; a static tree from the Cartesian product of "
-                "their top-k (path choices) verified in one forward with tree attention",
+                "their top-k (path choices), or a dynamic one (width > 0), verified in one forward with tree attention",
         make_drafter=_make_medusa,
         needs=("heads",),
-        options={"heads": None, "paths": None},
+        options={"heads": None, "paths": None, "width": 0, "depth": 0, "max_nodes": 0},
     )
 )
 
@@ -130,7 +143,7 @@ register(
         make_drafter=_make_medusa,
         make_verifier=_make_typical_verifier,
         needs=("heads",),
-        options={"heads": None, "paths": None, "epsilon": 0.09, "delta": 0.3},
+        options={"heads": None, "paths": None, "width": 0, "depth": 0, "max_nodes": 0, "epsilon": 0.09, "delta": 0.3},
         greedy_only=True,
     )
 )

@@ -160,39 +160,53 @@ def register(app: typer.Typer) -> None:
     def medusa(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name, HF id or local folder."),
         dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
-        out: Path = typer.Option(..., "--out", "-o", help="Folder for the heads (then: --method medusa -o heads=OUT)."),
+        out: Path = typer.Option(..., "--out", "-o", help="Folder for the heads and checkpoints (resumed); "
+                                                          "then: --method medusa -o heads=OUT."),
         heads: int = typer.Option(4, help="Number of heads: head k guesses the token k places after the next one."),
-        windows: int = typer.Option(128, help="Windows of --seq-len tokens whose hidden states are kept."),
+        features: Optional[Path] = typer.Option(None, "--features", help="Folder of the target's feature cache "
+                                                "(default: --out); an EAGLE run's folder shares its cache."),
+        windows: int = typer.Option(256, help="Windows of --seq-len tokens whose features are cached."),
         held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
-        seq_len: int = typer.Option(128, "--seq-len"),
+        seq_len: int = typer.Option(256, "--seq-len"),
         steps: int = typer.Option(300),
         batch_size: int = typer.Option(256, "--batch-size", help="Positions per step."),
         learning_rate: float = typer.Option(1e-3, "--learning-rate"),
+        draft_vocab: int = typer.Option(16384, "--draft-vocab", help="Tokens the heads draft from: the most frequent "
+                                                                     "(0: the whole vocabulary)."),
+        checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
-        """Medusa heads (also for blockwise) on the frozen target's last hidden states; top-1/top-5 per head held out."""
+        """Medusa heads (also for blockwise) on the frozen target's features; top-1/top-5 per head held out."""
         from rich.table import Table
 
-        from accelgen.train.medusa import evaluate_medusa, final_hidden_states, train_medusa
+        from accelgen.train.eagle import cached_features
+        from accelgen.train.medusa import MedusaConfig, evaluate_medusa, train_medusa
 
         with reported_errors():
+            config = MedusaConfig(heads=heads, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
+                                  draft_vocab=draft_vocab, checkpoint_every=checkpoint_every)
             target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
-            with stderr.status(f"hidden states of {data.numel():,} positions …"):
-                hidden = final_hidden_states(target_model, data)
+            with progress_bar(len(data), "target features of windows") as show:
+                cached, choices = cached_features(target_model, data, features or out,
+                                                  progress=lambda done: show({"step": done}, ""))
             with progress_bar(steps) as show:
-                trained = train_medusa(target_model, data[held_out:], hidden[held_out:], heads, steps=steps,
-                                       batch_size=batch_size, learning_rate=learning_rate,
-                                       progress=lambda row: show(row, "loss {loss:.3f}"))
+                trained, run = train_medusa(
+                    target_model, data[held_out:], cached[held_out:], choices[held_out:], config, out,
+                    progress=lambda row: show(row, "loss {loss:.3f}, head 1 top-1 {accuracy[0]:.0%}, "
+                                                   "{positions_per_second:.0f} positions/s"))
             trained.base_model = model
             trained.save(out)
-            evaluation = evaluate_medusa(target_model, trained, data[:held_out], hidden[:held_out])
+            evaluation = evaluate_medusa(target_model, trained, cached[:held_out], choices[:held_out])
         table = Table("head", "guesses token", "top-1", "top-5")
         for row in evaluation:
             table.add_row(str(row["head"]), f"+{row['offset']}", f"{row['top1']:.1%}", f"{row['top5']:.1%}")
         Console().print(table)
-        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "heads": evaluation})
-        stderr.print(f"{heads} Medusa heads → {out}; use: --method medusa -o heads={out} (or --method blockwise)")
+        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
+                                                    "training_seconds": run["seconds"], "resumed_at": run["resumed_at"],
+                                                    "heads": evaluation})
+        stderr.print(f"{heads} Medusa heads → {out} (trained {steps - run['resumed_at']} steps in {run['seconds']:.0f}s); "
+                     f"use: --method medusa -o heads={out} (or --method blockwise)")
 
     @train_app.command("eagle")
     def eagle(
@@ -200,6 +214,8 @@ def register(app: typer.Typer) -> None:
         dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
         out: Path = typer.Option(..., "--out", "-o", help="Folder for the head, the feature cache and checkpoints "
                                                           "(resumed); then: --method eagle --head OUT."),
+        features: Optional[Path] = typer.Option(None, "--features", help="Folder of the target's feature cache "
+                                                "(default: --out); a Medusa run's folder shares its cache."),
         windows: int = typer.Option(256, help="Windows of --seq-len tokens whose features are cached."),
         held_out: int = typer.Option(8, "--held-out", help="Further windows kept out of training, to evaluate on."),
         seq_len: int = typer.Option(256, "--seq-len"),
@@ -224,15 +240,15 @@ def register(app: typer.Typer) -> None:
                                  draft_vocab=draft_vocab)
             target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
             with progress_bar(len(data), "target features of windows") as show:
-                features, choices = cached_features(target_model, data, out,
-                                                    progress=lambda done: show({"step": done}, ""))
+                cached, choices = cached_features(target_model, data, features or out,
+                                                  progress=lambda done: show({"step": done}, ""))
             with progress_bar(steps) as show:
-                head, run = train_eagle(target_model, data[held_out:], features[held_out:], choices[held_out:], config,
+                head, run = train_eagle(target_model, data[held_out:], cached[held_out:], choices[held_out:], config,
                                         out, progress=lambda row: show(row, "loss {loss:.3f}, top-1 {accuracy:.0%}, "
                                                                             "{tokens_per_second:.0f} tokens/s"))
             head.base_model = model
             head.save(out)
-            evaluation = evaluate_eagle(target_model, head, data[:held_out], features[:held_out], choices[:held_out])
+            evaluation = evaluate_eagle(target_model, head, data[:held_out], cached[:held_out], choices[:held_out])
         write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
                                                     "training_seconds": run["seconds"], "resumed_at": run["resumed_at"],
                                                     **evaluation})

@@ -35,14 +35,14 @@ The layer is the target's shape: its width, heads, MLP size and rotary settings.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from accelgen.models.runner import additive_mask
-from accelgen.train.heads import load_heads, save_heads
+from accelgen.train.heads import load_heads, resume, run_settings, save_checkpoint, save_heads
 
 NAME = "eagle_head"
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
@@ -190,7 +190,8 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
     out_dir, checkpointed there and resumed from its checkpoint. Returns (head, {"resumed_at", "seconds"})."""
     head = new_head(model)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
-    start = resume(head, optimizer, out_dir, config)
+    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
+    start = resume(head, optimizer, checkpoint, run_settings(config), "an EAGLE")
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     generator = torch.Generator().manual_seed(seed + start)
     length = windows.shape[1] - 1  # input pairs (f_t, x_{t+1}) per window
@@ -212,9 +213,8 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if out_dir is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
-            torch.save({"step": step + 1, "config": asdict(config), "head": head.state_dict(),
-                        "optimizer": optimizer.state_dict()}, Path(out_dir) / CHECKPOINT)
+        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+            save_checkpoint(checkpoint, step + 1, run_settings(config), head, optimizer)
         if progress is not None:
             seconds = time.perf_counter() - started
             progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
@@ -224,29 +224,6 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
     if config.draft_vocab:
         head.vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab)
     return head.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
-
-
-def resume(head: EagleHead, optimizer, out_dir, config: EagleConfig) -> int:
-    """The step to continue from: 0, or that of out_dir's checkpoint (its weights and optimizer state loaded)."""
-    path = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    if path is None or not path.exists():
-        if out_dir is not None:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-        return 0
-    saved = torch.load(path, weights_only=True)
-    if _settings(saved["config"]) != _settings(asdict(config)):
-        raise ValueError(f"{out_dir} holds an EAGLE checkpoint trained with other settings; use another --out")
-    try:
-        head.load_state_dict(saved["head"])
-    except RuntimeError as error:
-        raise ValueError(f"the EAGLE checkpoint in {out_dir} does not fit this model: {str(error)[:200]}") from None
-    optimizer.load_state_dict(saved["optimizer"])
-    return saved["step"]
-
-
-def _settings(config: dict) -> dict:
-    """What a resumed run must share with its checkpoint: all but the run's length and checkpoint interval."""
-    return {key: value for key, value in config.items() if key not in ("steps", "checkpoint_every")}
 
 
 @torch.no_grad()

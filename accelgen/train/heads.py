@@ -1,10 +1,14 @@
-"""Saving and loading trained heads (exit heads, Medusa heads): a safetensors file and a JSON config in one
-folder, checked against the model they are used with so that a head that does not fit is refused by name."""
+"""What trained heads share: saving and loading them (a safetensors file and a JSON config in one folder,
+checked against the model they are used with so that a head that does not fit is refused by name), training
+checkpoints, and the LM head cut to a draft vocabulary."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 
 def save_heads(module, folder, name: str, config: dict) -> None:
@@ -46,3 +50,66 @@ def check_fits(shape: dict, model, what: str) -> None:
                 if value and value != actual[key]]
     if problems:
         raise ValueError(f"{what} do not fit this model: {'; '.join(problems)}")
+
+
+class DraftLMHead:
+    """The target's LM head cut to a draft vocabulary (FR-Spec's idea): on a CPU the LM head is most of a draft
+    step's cost, and a few thousand frequent tokens carry nearly all of the text. Only those rows are computed;
+    the rows are detached, so training a head through them never touches the target's weights."""
+
+    def __init__(self, lm_head, vocab: torch.Tensor):
+        """vocab: (V',) token ids to draft from; empty for the whole vocabulary."""
+        self.vocab_size = lm_head.weight.shape[0]
+        self.vocab = vocab.to(lm_head.weight.device) if len(vocab) else None
+        weight, bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
+        self.weight = weight if self.vocab is None else weight[self.vocab]
+        self.bias = bias if bias is None or self.vocab is None else bias[self.vocab]
+
+    def restricted(self, states: torch.Tensor) -> torch.Tensor:
+        """(.., V') float32 logits over the draft vocabulary only, from states (.., d)."""
+        return torch.nn.functional.linear(states.to(self.weight.dtype), self.weight, self.bias).float()
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """(.., vocab) float32 logits from states (.., d); -inf outside the draft vocabulary."""
+        logits = self.restricted(states)
+        if self.vocab is None:
+            return logits
+        full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
+        full[..., self.vocab] = logits
+        return full
+
+    def label_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (..) as indices into the draft vocabulary; -100 (cross-entropy's ignore_index) outside it."""
+        if self.vocab is None:
+            return tokens
+        index = torch.full((self.vocab_size,), -100, dtype=torch.long)
+        index[self.vocab.cpu()] = torch.arange(len(self.vocab))
+        return index[tokens.cpu()].to(tokens.device)
+
+
+def run_settings(config) -> dict:
+    """What a resumed run must share with its checkpoint: all of a trainer's config (a dataclass) but the run's
+    length and checkpoint interval."""
+    return {key: value for key, value in asdict(config).items() if key not in ("steps", "checkpoint_every")}
+
+
+def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> int:
+    """The step a training run continues from: 0, or that of the checkpoint at path (its weights and optimizer
+    state loaded). settings: what the run must share with its checkpoint (not its length)."""
+    if path is None or not Path(path).exists():
+        return 0
+    saved = torch.load(path, weights_only=True)
+    if saved["settings"] != settings:
+        raise ValueError(f"{Path(path).parent} holds {what} checkpoint trained with other settings; use another --out")
+    try:
+        module.load_state_dict(saved["module"])
+    except RuntimeError as error:
+        raise ValueError(f"the {what} checkpoint in {Path(path).parent} does not fit this model: {str(error)[:200]}") from None
+    optimizer.load_state_dict(saved["optimizer"])
+    return saved["step"]
+
+
+def save_checkpoint(path: Path, step: int, settings: dict, module, optimizer) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "settings": settings, "module": module.state_dict(), "optimizer": optimizer.state_dict()},
+               path)

@@ -1,38 +1,49 @@
 """Medusa heads (Cai et al. 2024, arXiv:2401.10774), trained on this CPU with the base model frozen.
 
-Head k (k = 1..K) reads the target's last hidden state at position t (after its final norm) and predicts
-the token at t + k + 1. The target's own LM head already predicts t + 1. A head is one residual block,
+Head k (k = 1..K) reads the target's feature at position t (its last hidden state, after the final norm) and
+predicts the token at t + k + 1. The target's own LM head already predicts t + 1. A head is one residual block,
 h + silu(W·h), with W starting at zero, followed by the target's LM head. Medusa-1 gives each head its own
 copy of the LM head; here the copy is *shared and frozen*. On Qwen2.5-1.5B a copy would be 152k × 1536
 weights (about 0.9 GB in float32) per head, and training it on a CPU would cost as much again. Only the
 residual blocks train, d² weights per head. Blockwise parallel decoding (Stern et al. 2018) uses the same kind
 of heads, so `blockwise` and `medusa` share them (drafters/medusa.py).
 
-`accelgen train medusa` works in two passes:
+`accelgen train medusa` works in two stages:
 
-1. It runs the frozen target once over packed windows of the dataset and keeps the final hidden states. That is
-   positions × d × 4 bytes: 32k positions of the 1.5B take 200 MB.
-2. It trains every head on batches of positions, with the cross-entropy on the dataset's own tokens at offset
-   k + 1. Progress shows the loss and each head's top-1 accuracy.
+1. **Cache.** The frozen target runs once over packed windows of the dataset; its features and its own greedy
+   choices are saved in the out folder (`features.safetensors`, the same cache as EAGLE's: give `--features`
+   an EAGLE run's folder to share it). A rerun reuses them.
+2. **Training.** Every head trains on batches of positions. Its label is the *target's* choice k places on
+   (self-distillation, as in Medusa-2), not the dataset's token: the drafts are to guess what this target
+   says. Heads draft from the `draft_vocab` tokens most frequent in the data and the choices, as EAGLE does,
+   so only those rows of the LM head are computed, in training too. Progress shows the loss and each head's
+   top-1 accuracy; checkpoints are saved every `checkpoint_every` steps, and a rerun resumes.
 
-Held-out windows give each head's top-1 and top-k accuracy (`evaluation.json`). The heads are saved as
-`medusa_heads.safetensors` + `medusa_heads.json`, and refused for a model of another shape.
+Held-out windows give each head's top-1 and top-k accuracy against the target's choice (`evaluation.json`).
+The heads are saved as `medusa_heads.safetensors` + `medusa_heads.json`, and refused for a model of another
+shape.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from accelgen.train.heads import load_heads, save_heads
+from accelgen.train.eagle import draft_vocabulary
+from accelgen.train.heads import DraftLMHead, load_heads, resume, run_settings, save_checkpoint, save_heads
 
 NAME = "medusa_heads"
+CHECKPOINT = "medusa_trainer.pt"  # heads, optimizer state and step, while training
 
 
 class MedusaHeads(torch.nn.Module):
-    def __init__(self, heads: int, hidden_size: int, vocab_size: int = 0, base_model: str = "", layer_count: int = 0):
+    def __init__(self, heads: int, hidden_size: int, vocab_size: int = 0, base_model: str = "", layer_count: int = 0,
+                 draft_vocab: int = 0):
+        """draft_vocab: the size of the vocabulary the heads draft from (0: the whole vocabulary)."""
         super().__init__()
         if heads < 1:
             raise ValueError(f"Medusa needs at least one head, got {heads}")
@@ -41,91 +52,108 @@ class MedusaHeads(torch.nn.Module):
         for block in self.blocks:
             torch.nn.init.zeros_(block.weight)  # untrained: each head repeats the target's next-token guess
             torch.nn.init.zeros_(block.bias)
+        self.register_buffer("vocab", torch.zeros(draft_vocab, dtype=torch.long))  # the draft vocabulary's ids
 
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
-        """(K, .., vocab) float32 logits of every head from final hidden states (.., d)."""
-        hidden = hidden.to(self.blocks[0].weight.dtype)
-        states = torch.stack([hidden + torch.nn.functional.silu(block(hidden)) for block in self.blocks])
-        return lm_head(states.to(lm_head.weight.dtype)).float()
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """(K, .., d) every head's state from the target's features (.., d); an LM head turns them into logits."""
+        features = features.to(self.blocks[0].weight.dtype)
+        return torch.stack([features + torch.nn.functional.silu(block(features)) for block in self.blocks])
+
+    def lm_head(self, model) -> DraftLMHead:
+        """The model's LM head cut to the heads' draft vocabulary."""
+        return DraftLMHead(model.get_output_embeddings(), self.vocab)
 
     def describe_shape(self) -> dict:
         return {"hidden_size": self.hidden_size, "layer_count": self.layer_count, "vocab_size": self.vocab_size}
 
     def save(self, folder) -> None:
-        save_heads(self, folder, NAME, {"heads": len(self), "base_model": self.base_model, **self.describe_shape()})
+        save_heads(self, folder, NAME, {"heads": len(self), "base_model": self.base_model, **self.describe_shape(),
+                                        "draft_vocab": len(self.vocab)})
 
     @classmethod
     def load(cls, folder, model=None) -> "MedusaHeads":
         return load_heads(cls, folder, NAME, "accelgen train medusa", model)
 
 
-@torch.no_grad()
-def final_hidden_states(model, windows: torch.Tensor) -> torch.Tensor:
-    """(count, n, d) float32: the target's last hidden states (after its final norm) over windows (count, n)."""
-    states = [model.model(input_ids=window[None].to(model.device)).last_hidden_state[0].float().cpu() for window in windows]
-    return torch.stack(states)
-
-
-def head_targets(windows: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions (N, 2) as (window, index), targets (N, K)): every position with a token at each offset k + 1."""
-    count, length = windows.shape
-    usable = length - heads - 1
+def head_targets(choices: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (N, 2) as (window, index), targets (N, K)) from the target's choices (count, n): head k at
+    position t is taught choices[t + k], the target's token k + 1 places after t."""
+    count, length = choices.shape
+    usable = length - heads
     if usable < 1:
         raise ValueError(f"windows of {length} tokens are too short for {heads} heads")
-    index = torch.arange(usable)
-    positions = torch.stack(torch.meshgrid(torch.arange(count), index, indexing="ij"), dim=-1).reshape(-1, 2)
-    offsets = torch.arange(2, heads + 2)
-    targets = windows[positions[:, :1], positions[:, 1:] + offsets[None]]
+    positions = torch.stack(torch.meshgrid(torch.arange(count), torch.arange(usable), indexing="ij"), dim=-1).reshape(-1, 2)
+    targets = choices[positions[:, :1], positions[:, 1:] + torch.arange(1, heads + 1)[None]]
     return positions, targets
 
 
-def train_medusa(model, windows: torch.Tensor, hidden: torch.Tensor, heads: int, *, steps: int = 300,
-                 batch_size: int = 256, learning_rate: float = 1e-3, seed: int = 0,
-                 progress: Callable[[dict], None] | None = None) -> MedusaHeads:
-    """Train the heads' residual blocks on cached final hidden states (count, n, d) of windows (count, n)."""
-    medusa = MedusaHeads(heads, model.config.hidden_size, model.config.vocab_size,
-                         str(getattr(model, "name_or_path", "")), model.config.num_hidden_layers)
-    positions, targets = head_targets(windows, heads)
-    lm_head = model.get_output_embeddings()
-    frozen = [parameter for parameter in lm_head.parameters() if parameter.requires_grad]
-    for parameter in frozen:
-        parameter.requires_grad_(False)
-    optimizer = torch.optim.AdamW(medusa.parameters(), lr=learning_rate)
-    generator = torch.Generator().manual_seed(seed)
+@dataclass
+class MedusaConfig:
+    heads: int = 4
+    steps: int = 300
+    batch_size: int = 256  # positions per step
+    learning_rate: float = 1e-3
+    draft_vocab: int = 16384  # tokens the heads draft from (0: all)
+    checkpoint_every: int = 100
+
+    def __post_init__(self):
+        if min(self.heads, self.steps, self.batch_size, self.checkpoint_every) < 1 or self.learning_rate <= 0:
+            raise ValueError("heads, steps, batch size, checkpoint interval and learning rate must be positive")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+
+
+def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: MedusaConfig,
+                 out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None) -> tuple[MedusaHeads, dict]:
+    """Train the heads' residual blocks on the target's features (count, n, d) and choices (count, n) over
+    windows (count, n); with out_dir, checkpointed there and resumed. Returns (heads, {"resumed_at", "seconds"})."""
+    medusa = MedusaHeads(config.heads, model.config.hidden_size, model.config.vocab_size,
+                         str(getattr(model, "name_or_path", "")), model.config.num_hidden_layers, config.draft_vocab)
+    if config.draft_vocab:
+        medusa.vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab)
+    lm_head = medusa.lm_head(model)
+    positions, targets = head_targets(choices, config.heads)
+    labels = lm_head.label_index(targets)  # (N, K) indices into the draft vocabulary, -100 outside it
+    optimizer = torch.optim.AdamW(medusa.blocks.parameters(), lr=config.learning_rate)
+    settings = run_settings(config)
+    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
+    start = resume(medusa, optimizer, checkpoint, settings, "a Medusa")
+    generator = torch.Generator().manual_seed(seed + start)
     started = time.perf_counter()
-    try:
-        for step in range(steps):
-            rows = torch.randint(0, len(positions), (min(batch_size, len(positions)),), generator=generator)
-            states = hidden[positions[rows, 0], positions[rows, 1]]
-            logits = medusa(states, lm_head)  # (K, b, vocab)
-            goal = targets[rows].T  # (K, b)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), goal.reshape(-1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if progress is not None:
-                accuracy = (logits.argmax(-1) == goal).float().mean(1)
-                progress({"step": step + 1, "steps": steps, "loss": float(loss.detach()),
-                          "accuracy": [float(a) for a in accuracy], "seconds": time.perf_counter() - started})
-    finally:
-        for parameter in frozen:
-            parameter.requires_grad_(True)
-    return medusa.eval()
+    for step in range(start, config.steps):
+        rows = torch.randint(0, len(positions), (min(config.batch_size, len(positions)),), generator=generator)
+        logits = lm_head.restricted(medusa(features[positions[rows, 0], positions[rows, 1]]))  # (K, b, V')
+        goal = labels[rows].T  # (K, b)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), goal.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+            save_checkpoint(checkpoint, step + 1, settings, medusa, optimizer)
+        if progress is not None:
+            seconds = time.perf_counter() - started
+            accuracy = (logits.argmax(-1) == goal).float().mean(1)
+            progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
+                      "accuracy": [float(a) for a in accuracy], "seconds": seconds,
+                      "positions_per_second": (step + 1 - start) * len(rows) / seconds})
+    return medusa.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
 
 
 @torch.no_grad()
-def evaluate_medusa(model, medusa: MedusaHeads, windows: torch.Tensor, hidden: torch.Tensor, top_k: int = 5,
+def evaluate_medusa(model, medusa: MedusaHeads, features: torch.Tensor, choices: torch.Tensor, top_k: int = 5,
                     chunk: int = 256) -> list[dict]:
-    """Per head on windows not trained on: how often its top-1, and its top-k, holds the token at offset k + 1."""
-    positions, targets = head_targets(windows, len(medusa))
+    """Per head on windows not trained on: how often its top-1, and its top-k, hold the target's choice k + 1
+    places on (features (count, n, d), choices (count, n))."""
+    positions, targets = head_targets(choices, len(medusa))
+    lm_head = medusa.lm_head(model)
     top1 = torch.zeros(len(medusa))
     topk = torch.zeros(len(medusa))
     for start in range(0, len(positions), chunk):
         rows = slice(start, start + chunk)
-        logits = medusa(hidden[positions[rows, 0], positions[rows, 1]], model.get_output_embeddings())
+        logits = lm_head(medusa(features[positions[rows, 0], positions[rows, 1]]))  # (K, b, vocab)
         goal = targets[rows].T[..., None]  # (K, b, 1)
         top1 += (logits.argmax(-1, keepdim=True) == goal).float().sum((1, 2))
         topk += (logits.topk(top_k, dim=-1).indices == goal).any(-1).float().sum(1)

@@ -238,6 +238,15 @@ def test_llma_copies_from_the_prompt_when_no_references_are_given(smollm):
     assert record["accepted_draft_tokens"] > 0 and record["target_forwards"] < 6
 
 
+@pytest.mark.parametrize("with_draft, chosen", [(True, "speculative"), (False, "pld")])
+def test_auto_gets_the_runs_draft_model(tiny_target, tiny_draft, tokenizer, with_draft, chosen):
+    """`auto` needs no draft model but uses one when the run has it (uncalibrated: speculation with it)."""
+    auto = methods.resolve_methods(["auto"], runner.PROMPT_RESOURCES, 0)[0][1]
+    record = methods.run_accelgen(auto, tiny_target, tokenizer, [5, 17, 923], draft_model=tiny_draft if with_draft else None,
+                                  max_new_tokens=4, temperature=0, seed=0, options=auto.check_options({}))
+    assert record["choice"]["method"] == chosen
+
+
 def test_hf_committed_per_step_from_cache_lengths():
     counter = methods.ForwardCounter.__new__(methods.ForwardCounter)
     # prompt of 10: the prefill forward verifies one candidate, later forwards start at cache lengths 11, 13

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import accelgen
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.sampling import SamplingConfig
 

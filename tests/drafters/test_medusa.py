@@ -1,33 +1,45 @@
-"""Medusa and blockwise drafting from heads trained for a few steps: token-for-token greedy decoding, with
-drafts partly accepted; untrained heads are (almost) never right; clear errors for missing or unfit heads."""
+"""Medusa and blockwise drafting from heads trained for a few steps: token-for-token greedy decoding with drafts
+partly accepted (static, dynamic and chain trees, a draft vocabulary), the target's distribution when sampling,
+and clear errors for missing or unfit heads."""
 
 import pytest
 import torch
 
 import accelgen
-from accelgen.train.medusa import MedusaHeads, final_hidden_states, train_medusa
+from accelgen.train.eagle import collect_features
+from accelgen.train.medusa import MedusaConfig, MedusaHeads, train_medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
 
-@pytest.fixture(scope="module")
-def heads_folder(tiny_target, tiny_target_windows, tmp_path_factory):
-    """Heads trained on the tiny target's own greedy continuations, so that they are right part of the time."""
-    windows = tiny_target_windows
-    heads = train_medusa(tiny_target, windows, final_hidden_states(tiny_target, windows), 3, steps=150,
-                         batch_size=128, learning_rate=1e-2)
-    folder = tmp_path_factory.mktemp("medusa")
+def trained_heads(model, windows, folder, draft_vocab: int = 0) -> str:
+    """Heads trained on the model's own greedy continuations, so that they are right part of the time."""
+    heads, _ = train_medusa(model, windows, *collect_features(model, windows),
+                            MedusaConfig(heads=3, steps=150, batch_size=128, learning_rate=1e-2, draft_vocab=draft_vocab))
     heads.save(folder)
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def heads_folder(tiny_target, tiny_target_windows, tmp_path_factory):
+    return trained_heads(tiny_target, tiny_target_windows, tmp_path_factory.mktemp("medusa"))
+
+
 @pytest.mark.parametrize("method, options", [("blockwise", {}), ("medusa", {}),
-                                             ("medusa", {"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]})])
+                                             ("medusa", {"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}),
+                                             ("medusa", {"width": 2, "max_nodes": 5})])
 def test_trained_heads_are_lossless_with_partial_acceptance(tiny_target, tokenizer, heads_folder, assert_lossless,
                                                             method, options):
     result = assert_lossless(tiny_target, tokenizer, PROMPT, method, 40, heads=heads_folder, **options)
+    assert 0 < result.stats["acceptance_rate"] < 1
+
+
+def test_heads_with_a_draft_vocabulary_are_lossless(tiny_target, tokenizer, tiny_target_windows, assert_lossless,
+                                                    tmp_path):
+    folder = trained_heads(tiny_target, tiny_target_windows, tmp_path, draft_vocab=200)
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "medusa", 40, heads=folder)
     assert 0 < result.stats["acceptance_rate"] < 1
 
 
@@ -45,11 +57,23 @@ def test_a_short_budget_cuts_the_tree(tiny_target, tokenizer, heads_folder, asse
     ({}, "needs trained Medusa heads"),
     ({"paths": [[0, 0]]}, "needs its prefix \\[0\\]"),
     ({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "guess only 3 tokens ahead"),
+    ({"width": 2, "depth": 4}, "deeper than the 3 tokens the heads guess ahead"),
 ])
 def test_bad_input_is_named(tiny_target, tokenizer, heads_folder, options, problem):
     options = {"heads": heads_folder, **options} if options else {}
     with pytest.raises(ValueError, match=problem):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="medusa", **options)
+
+
+@pytest.mark.parametrize("method, options", [("medusa", {"paths": [[0], [1], [0, 0]]}),
+                                             ("medusa", {"width": 2, "max_nodes": 4}), ("blockwise", {})])
+def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path, method, options):
+    heads = MedusaHeads(2, sampling_model.config.hidden_size, sampling_model.config.vocab_size)
+    with torch.no_grad():  # heads whose guesses differ from the target's, drafts right only part of the time
+        for index, block in enumerate(heads.blocks):
+            block.weight.copy_(torch.randn(block.weight.shape, generator=torch.Generator().manual_seed(index)))
+    heads.save(tmp_path)
+    assert_samples_target(method, [1, 4, 6], heads=str(tmp_path), **options)
 
 
 def test_heads_of_another_model_are_refused(make_tiny_model, tokenizer, heads_folder):
