@@ -191,7 +191,7 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
     head = new_head(model)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
     checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(head, optimizer, checkpoint, run_settings(config), "an EAGLE")
+    start = resume(head, optimizer, checkpoint, run_settings(config), "EAGLE")
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     generator = torch.Generator().manual_seed(seed + start)
     length = windows.shape[1] - 1  # input pairs (f_t, x_{t+1}) per window

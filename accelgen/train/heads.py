@@ -95,12 +95,13 @@ def run_settings(config) -> dict:
 
 def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> int:
     """The step a training run continues from: 0, or that of the checkpoint at path (its weights and optimizer
-    state loaded). settings: what the run must share with its checkpoint (not its length)."""
+    state loaded). settings: what the run must share with its checkpoint (not its length); what: whose
+    checkpoint it is, for errors ("EAGLE")."""
     if path is None or not Path(path).exists():
         return 0
     saved = torch.load(path, weights_only=True)
     if saved["settings"] != settings:
-        raise ValueError(f"{Path(path).parent} holds {what} checkpoint trained with other settings; use another --out")
+        raise ValueError(f"the {what} checkpoint in {Path(path).parent} was trained with other settings; use another --out")
     try:
         module.load_state_dict(saved["module"])
     except RuntimeError as error:

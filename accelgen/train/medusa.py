@@ -120,7 +120,7 @@ def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: 
     optimizer = torch.optim.AdamW(medusa.blocks.parameters(), lr=config.learning_rate)
     settings = run_settings(config)
     checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(medusa, optimizer, checkpoint, settings, "a Medusa")
+    start = resume(medusa, optimizer, checkpoint, settings, "Medusa")
     generator = torch.Generator().manual_seed(seed + start)
     started = time.perf_counter()
     for step in range(start, config.steps):
