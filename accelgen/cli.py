@@ -288,7 +288,7 @@ def tune(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="auto: the draft model it may use."),
     dtype: Optional[str] = typer.Option(None),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
-    dataset: str = typer.Option("humaneval", help="Calibration prompts (taken from the end of this dataset); "
+    dataset: str = typer.Option("humaneval", help="Calibration prompts (spread over the second half of this dataset); "
                                                   "auto saves its choice under this workload name."),
     prompts: int = typer.Option(3, help="Number of calibration prompts."),
     trials: int = typer.Option(40, help="self-speculative: skip sets to try (the first is the default one)."),
@@ -308,7 +308,7 @@ def tune(
         torch.set_num_threads(threads)
     target_model, tokenizer = load_with_progress(model, dtype)
     draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
-    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in load_dataset(dataset)[-prompts:]]
+    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in calibration_prompts(load_dataset(dataset), prompts)]
     try:
         if method == "auto":
             tune_auto_command(target_model, tokenizer, draft_model, calibration, dataset, max_new_tokens)
@@ -317,6 +317,16 @@ def tune(
     except (ValueError, RuntimeError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2)
+
+
+def calibration_prompts(dataset: list, count: int) -> list:
+    """count prompts spread evenly over the dataset's second half: away from the first ones, which benchmarks
+    take, and not one stretch of it (the end of ShareGPT is mostly poems and brainstorms)."""
+    second_half = dataset[len(dataset) // 2 :]
+    if count >= len(second_half):
+        return second_half
+    step = len(second_half) / count
+    return [second_half[int(i * step)] for i in range(count)]
 
 
 @app.command()

@@ -18,6 +18,8 @@ from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
 from accelgen.generate import generate
 from accelgen.models.loading import beside_weights
 
+CONTENDER_MARGIN = 1.25  # auto's second calibration round: candidates within 25% of the fastest
+
 
 def seconds_per_token(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **method) -> tuple[float, float]:
     """(seconds per new token, tokens per target forward) over the calibration prompts."""
@@ -76,8 +78,9 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
               progress: Callable[[int, int, dict], None] | None = None) -> dict:
     """Time every `auto` candidate on the calibration prompts (greedy); returns the fastest and the table.
 
-    Two rounds in opposite orders, each candidate keeping its better round, so that a slow moment of the
-    machine does not decide the choice."""
+    A second round, in the opposite order, times again the candidates within CONTENDER_MARGIN of the fastest,
+    each keeping its better round, so that a slow moment of the machine does not decide the choice; the
+    clearly slower ones are not worth the time twice."""
     from accelgen.drafters.auto import candidates
 
     if not prompts:
@@ -85,17 +88,25 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
     options = candidates(draft_model is not None)
     generate(model, tokenizer, prompts[0], max_new_tokens=2)  # warm-up
     measured: dict[int, tuple[float, float]] = {}
-    order = list(range(len(options)))
-    for round_index, indices in enumerate([order, order[::-1]]):
-        for done, index in enumerate(indices):
+    timed = 0
+
+    def time_candidates(indices: list[int], total: int) -> None:
+        nonlocal timed
+        for index in indices:
             method, method_options = options[index]
             cost, tau = seconds_per_token(model, tokenizer, prompts, max_new_tokens, method=method,
                                           draft_model=draft_model, **method_options)
             best = measured.get(index)
             measured[index] = (cost, tau) if best is None or cost < best[0] else best
             if progress:
-                progress(round_index * len(options) + done, 2 * len(options),
-                         {"method": method, "options": method_options, "seconds_per_token": cost, "tau": tau})
+                progress(timed, total, {"method": method, "options": method_options, "seconds_per_token": cost,
+                                        "tau": tau})
+            timed += 1
+
+    time_candidates(list(range(len(options))), 2 * len(options))
+    fastest = min(cost for cost, _ in measured.values())
+    contenders = [index for index in reversed(range(len(options))) if measured[index][0] <= CONTENDER_MARGIN * fastest]
+    time_candidates(contenders, len(options) + len(contenders))
     plain = measured[0][0]  # candidates()[0] is autoregressive
     table = [{"method": method, "options": method_options, "seconds_per_token": measured[i][0], "tau": measured[i][1],
               "speedup": plain / measured[i][0]} for i, (method, method_options) in enumerate(options)]

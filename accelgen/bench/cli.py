@@ -98,7 +98,7 @@ def bench(
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (dataset's choice), chat or raw."),
-    option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable), e.g. -o speculative.gamma=8."),
+    option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable), e.g. -o speculative.gamma=8; it applies to the method's variants too, unless their name sets it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default: results/<dataset>-<model>)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard saved results in --out instead of resuming them."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every method once, untimed, before measuring."),

@@ -42,6 +42,7 @@ class BenchMethod:
     summary: str = ""
     can_sample: bool = True
     draft: str | None = None  # a draft model of this row's own (variant option draft=PATH), instead of --draft
+    fixed: tuple[str, ...] = ()  # options a variant's name sets: -o for the base method does not override them
 
     @property
     def registered_name(self) -> str:
@@ -54,6 +55,12 @@ class BenchMethod:
 
     def check_options(self, options: dict) -> dict:
         return merge_options(self.name, self.options, options)
+
+    def given_options(self, options: dict[str, dict]) -> dict:
+        """This row's share of the run's -o options: those for its method (every variant gets them, e.g.
+        -o rest.datastore=PATH) except what the variant's name sets, then those for the row itself."""
+        for_method = {key: value for key, value in options.get(self.registered_name, {}).items() if key not in self.fixed}
+        return {**for_method, **options.get(self.name, {})}
 
 
 # HF's defaults for these options, written out so the report shows the values used.
@@ -104,7 +111,7 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
     if draft is not None and "draft_model" not in base.needs:
         raise ValueError(f"method variant {name!r}: {base_name} takes no draft model")
     return dataclasses.replace(base, name=name, options=base.check_options(values),
-                               draft=None if draft is None else str(draft))
+                               draft=None if draft is None else str(draft), fixed=tuple(values))
 
 
 def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
@@ -141,7 +148,7 @@ def resolve_methods(
     else:
         chosen = [variant(methods, name) for name in dict.fromkeys(names)]
         for method in chosen:
-            unmet = unmet_needs(method, resources, options.get(method.name, {}))
+            unmet = unmet_needs(method, resources, method.given_options(options))
             if unmet:
                 hint = " (pass --draft)" if "draft_model" in unmet else ""
                 raise ValueError(f"method {method.name!r} needs {', '.join(unmet)}{hint}")
@@ -151,7 +158,7 @@ def resolve_methods(
             chosen.insert(0, methods[BASELINE])
             notes.append(f"added {BASELINE}: every speedup is measured against it")
     chosen.sort(key=lambda method: method.name != BASELINE)  # stable: baseline first, the rest as given
-    stray = sorted(set(options) - {method.name for method in chosen})
+    stray = sorted(set(options) - {name for method in chosen for name in (method.name, method.registered_name)})
     if stray:
         raise ValueError(f"options given for {', '.join(map(repr, stray))}, which is not among the methods run")
     return chosen, notes

@@ -82,7 +82,7 @@ def plan(config: BenchConfig) -> Plan:
     config.validate()
     resources = PROMPT_RESOURCES | ({"draft_model"} if config.draft else set())
     methods, notes = resolve_methods(config.methods, resources, config.temperature, config.options)
-    options = {m.name: m.check_options(config.options.get(m.name, {})) for m in methods}
+    options = {m.name: m.check_options(m.given_options(config.options)) for m in methods}
     prompts = load_dataset(config.dataset, config.limit, config.categories)
     if not prompts:
         raise ValueError(f"dataset {config.dataset!r} gave no prompts")

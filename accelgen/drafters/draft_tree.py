@@ -24,8 +24,9 @@ Worked example, branching [2, 1]:   root ─ a(0) ─ c(2)      tokens  [a, b, c
                                          └ b(1) ─ d(3)      parents [-1, -1, 0, 1]
 The draft cache holds the context (root included). Level 1 comes from the root's logits; level 2 needs one
 forward over [a, b] with a tree mask (a and b do not see each other); the leaves c, d need no forward.
-The runner's tree mask lets new tokens see the whole cache, so the draft tree is never left in the cache:
-each level re-scores the planned nodes' ancestors, and the cache is cut back to the context right away.
+The scored nodes stay in the draft cache after the context, so each level's forward covers only that level's
+planned nodes, attending to their ancestors among the cached nodes (every node with children was scored at
+its own level). The next proposal cuts the cache back to the committed context before catching up.
 
 What scores the tree is a *scorer*: `root_logits(context)` (None when it cannot draft yet) and
 `score(tokens, parents, nodes)`. `DraftModelScorer` runs a draft model; the EAGLE head (drafters/eagle.py) is
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import ROOT, Draft, tree_attention
+from accelgen.draft import ROOT, Draft
 from accelgen.drafters.draft_model import catch_up
 from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
@@ -44,11 +45,12 @@ from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 
 class DraftModelScorer:
     """Draft logits from a draft model: at the root, after catching its cache up with the context, and after
-    any tree nodes (one tree forward over them and their ancestors, then the cache is back at the context)."""
+    any tree nodes (one tree forward over those not cached yet, seeing their cached ancestors)."""
 
     def __init__(self, draft_model):
         self.runner = ModelRunner(draft_model)
-        self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds: the committed context
+        self.cached_tokens: list[int] = []  # the committed context whose KV the draft cache holds
+        self.cached_nodes: list[int] = []  # then the current tree's scored nodes, in cache order
 
     @property
     def max_positions(self) -> int:
@@ -56,20 +58,29 @@ class DraftModelScorer:
 
     def root_logits(self, context: list[int]) -> torch.Tensor:
         """(vocab,) the draft's logits after the whole context."""
+        self.runner.keep(len(self.cached_tokens), [])  # drop the last proposal's tree
         logits = catch_up(self.runner, self.cached_tokens, context)
-        self.cached_tokens = list(context)
+        self.cached_tokens, self.cached_nodes = list(context), []
         return logits
 
     def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
-        """(len(nodes), vocab) draft logits after each of nodes: one tree forward over nodes and their ancestors.
+        """(len(nodes), vocab) draft logits after each of nodes: one tree forward over those of nodes and their
+        ancestors not cached yet, each seeing its cached ancestors; they stay cached for the next level.
 
-        Example: parents [-1, -1, 0, 1], nodes [2]: the forward covers nodes [0, 2] as the chain a ─ c.
+        Example: parents [-1, -1, 0, 1], nodes [2] with node 0 cached: the forward covers node 2 (c), seeing a.
         """
-        kept, kept_parents = with_ancestors(parents, nodes)
-        tree = tree_attention(kept_parents)[1:, 1:]  # (m, m); the root is already in the cache
-        logits = self.runner.forward(torch.tensor([tokens[node] for node in kept]), tree)  # (m, vocab)
-        self.runner.keep(len(self.cached_tokens), [])  # forget the draft tree: back to the context
-        return logits[[kept.index(node) for node in nodes]]
+        kept, _ = with_ancestors(parents, nodes)
+        new = [node for node in kept if node not in self.cached_nodes]
+        columns = self.cached_nodes + new  # the tree's part of the cache after this forward
+        column = {node: i for i, node in enumerate(columns)}
+        tree = torch.zeros(len(new), len(columns), dtype=torch.bool)  # (m, t + m): cached tree nodes, then new
+        for row, node in enumerate(new):
+            while node != ROOT:  # itself and its ancestors
+                tree[row, column[node]] = True
+                node = parents[node]
+        logits = self.runner.forward(torch.tensor([tokens[node] for node in new]), tree)  # (m, vocab)
+        self.cached_nodes = columns
+        return logits[[new.index(node) for node in nodes]]
 
 
 def with_ancestors(parents: list[int], nodes: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -81,7 +81,7 @@ def spread(tokens: list[int], count: int) -> list[int]:
 
 
 class LookaheadDecodingDrafter:
-    def __init__(self, window_size: int = 5, ngram_size: int = 4, guess_set_size: int = 5):
+    def __init__(self, window_size: int = 3, ngram_size: int = 3, guess_set_size: int = 2):
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if ngram_size < 2:
@@ -146,6 +146,6 @@ register(
         paper="Fu et al. 2024, arXiv:2402.02057",
         summary="2-D Jacobi window (W columns, N-1 levels) feeds an n-gram pool; pooled n-grams are verified as a tree",
         make_drafter=_make,
-        options={"window_size": 5, "ngram_size": 4, "guess_set_size": 5},
+        options={"window_size": 3, "ngram_size": 3, "guess_set_size": 2},
     )
 )

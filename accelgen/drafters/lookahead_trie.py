@@ -217,7 +217,7 @@ def best_branches(start: TrieNode, request: int | None, max_nodes: int, max_dept
 
 
 class TrieLookaheadDrafter:
-    def __init__(self, trie: LookaheadTrie | None, vocab_size: int, max_nodes: int = 32, branch_length: int = 8,
+    def __init__(self, trie: LookaheadTrie | None, vocab_size: int, max_nodes: int = 8, branch_length: int = 8,
                  max_prefix: int = 4, prompt_boost: float = 1e4):
         for name, value in (("max_nodes", max_nodes), ("branch_length", branch_length), ("max_prefix", max_prefix)):
             if value < 1:
@@ -277,6 +277,6 @@ register(
         paper="Zhao et al. 2023, arXiv:2312.12728",
         summary="multi-branch drafts from a trie of prompt and output n-grams, shared across requests via trie=",
         make_drafter=_make,
-        options={"trie": None, "max_nodes": 32, "branch_length": 8, "max_prefix": 4, "prompt_boost": 1e4},
+        options={"trie": None, "max_nodes": 8, "branch_length": 8, "max_prefix": 4, "prompt_boost": 1e4},
     )
 )

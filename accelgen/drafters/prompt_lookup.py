@@ -40,6 +40,12 @@ class NGramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
+    def follow(self, context: list[int]) -> None:
+        """Index the tokens of context beyond those indexed; start over when context is another sequence."""
+        if len(context) < len(self.tokens):
+            self.tokens, self.ends = [], {}
+        self.extend(context[len(self.tokens) :])
+
     def occurrences(self, ngram: tuple[int, ...]) -> list[int]:
         """End positions of ngram, oldest first (empty when absent)."""
         return self.ends.get(ngram, [])
@@ -91,9 +97,7 @@ class PromptLookupDrafter:
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long, prompt + committed tokens; only the tokens new since the last call are indexed."""
-        if len(context) < len(self.index.tokens):  # a different sequence: start over
-            self.index = NGramIndex(self.index.min_n, self.index.max_n)
-        self.index.extend(context[len(self.index.tokens) :].tolist())
+        self.index.follow(context.tolist())
         length = min(self.draft_length, max_nodes)
         return draft_from_candidates(lookup_candidates(self.index, length, self.branches), max_nodes)
 

@@ -10,6 +10,9 @@ into a trie and keeps the max_nodes most frequent nodes as a token tree, verifie
 Build a datastore once with `build_datastore(tokenizer, texts, path)` or the CLI
 `accelgen datastore build --model M --dataset sharegpt --out PATH`; it is saved as .npy files and
 memory-mapped at use, so opening it is instant and only the pages a lookup touches are read.
+With context=True the request's own text (prompt + output so far) is searched too, as prompt lookup does
+(its last 2–3 tokens, most recent match), and that continuation is added to the same trie weighing as much as
+all the corpus matches together: text the request repeats is likelier than what other texts said next.
 Drafts are deterministic, so the method is exact for sampling too.
 
 Files in a datastore folder:
@@ -32,8 +35,10 @@ from tqdm.auto import tqdm
 
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.candidate_tree import CandidateTree
+from accelgen.drafters.prompt_lookup import NGramIndex, lookup_candidates
 from accelgen.registry import MethodSpec, register
 
+CONTEXT_MAX_NGRAM = 3  # context=True: the longest tail looked up in the request's own text, as pld's default
 SEPARATOR = -1  # ends every text; sorts before every token, and no query contains it
 TOKENS_FILE, SUFFIXES_FILE, META_FILE = "tokens.npy", "suffix_array.npy", "datastore.json"
 FORMAT_VERSION = 1
@@ -224,7 +229,7 @@ class Datastore:
 
 class RestDrafter:
     def __init__(self, datastore: Datastore, max_query: int = 16, min_query: int = 2, max_matches: int = 500,
-                 draft_depth: int = 10, max_nodes: int = 32):
+                 draft_depth: int = 6, max_nodes: int = 8, context: bool = False):
         if not 1 <= min_query <= max_query:
             raise ValueError(f"need 1 <= min_query <= max_query, got min_query={min_query}, max_query={max_query}")
         if max_query > datastore.sort_depth:
@@ -238,17 +243,23 @@ class RestDrafter:
         self.max_matches = max_matches
         self.draft_depth = draft_depth
         self.max_nodes = max_nodes
+        self.context_index = NGramIndex(min_query, max(min_query, CONTEXT_MAX_NGRAM)) if context else None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long; only its last max_query tokens are read."""
-        match = self.datastore.longest_match(context[-self.max_query :].tolist(), self.min_query, self.max_query)
-        if match is None:
-            return Draft.empty()
-        length, lo, hi = match
         depth = min(self.draft_depth, max_nodes)
+        match = self.datastore.longest_match(context[-self.max_query :].tolist(), self.min_query, self.max_query)
+        retrieved = []
+        if match is not None:
+            length, lo, hi = match
+            retrieved = self.datastore.continuations(lo, hi, length, depth, self.max_matches)
         tree = CandidateTree()
-        for continuation in self.datastore.continuations(lo, hi, length, depth, self.max_matches):
+        for continuation in retrieved:
             tree.add(continuation)  # weight 1 each: a node's weight is its frequency among the matches
+        if self.context_index is not None:
+            self.context_index.follow(context.tolist())
+            for continuation in lookup_candidates(self.context_index, depth, branches=1):
+                tree.add(continuation, weight=len(retrieved) + 1)  # outweighs the corpus: the request repeats itself
         return tree.draft(min(self.max_nodes, max_nodes))
 
     def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
@@ -282,7 +293,7 @@ register(
         summary="retrieves what followed the context's longest suffix in a corpus (suffix array), verified as a tree",
         make_drafter=_make,
         needs=("datastore",),
-        options={"datastore": None, "max_query": 16, "min_query": 2, "max_matches": 500, "draft_depth": 10,
-                 "max_nodes": 32},
+        options={"datastore": None, "max_query": 16, "min_query": 2, "max_matches": 500, "draft_depth": 6,
+                 "max_nodes": 8, "context": False},
     )
 )

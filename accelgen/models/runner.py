@@ -46,6 +46,8 @@ class ModelRunner:
 
         tree: None for a causal chain, else (m, m) bool, tree[r, c] = new token r may attend to new token c
         (ancestors and itself); each token's position is then the cache length + its depth in the tree.
+        A tree may also go on from its earlier levels, cached as the last t positions: it is then (m, t + m),
+        its first t columns saying which of those each new token sees (the rest of the cache is always seen).
         logits_for_last: compute logits for the last k tokens only, returning (k, vocab); 0 = all tokens.
         (A prompt needs no logits but its last token's: skipping the rest saves a vocab-sized matmul per token.)
         appended: (a, d) input embeddings fed after the tokens as a causal chain, with logits rows of their own
@@ -57,7 +59,8 @@ class ModelRunner:
             positions = torch.arange(start, start + m)
             mask = None  # the model builds its own causal mask over cache + new tokens
         else:
-            positions = start + tree.sum(dim=-1) - 1  # depth = number of ancestors
+            tree_start = start - (tree.shape[1] - tree.shape[0])  # where the tree's first level sits
+            positions = tree_start + tree.sum(dim=-1) - 1  # depth = number of ancestors
             mask = additive_mask(kv.cache_length(self.cache), tree, self.dtype, self.device)
         inputs = dict(position_ids=positions.to(self.device)[None], attention_mask=mask, past_key_values=self.cache,
                       use_cache=True)
@@ -93,9 +96,10 @@ class ModelRunner:
 
 def additive_mask(cached: int, pattern: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
     """(1, 1, m, cached + m) additive attention mask: each of m new tokens sees the whole cache, then the new
-    tokens that pattern (m, m) bool allows it (its tree ancestors and itself, or the causal triangle)."""
-    m = pattern.shape[0]
-    allowed = torch.cat([torch.ones(m, cached, dtype=torch.bool), pattern.cpu()], dim=1)
+    tokens that pattern (m, m) bool allows it (its tree ancestors and itself, or the causal triangle).
+    A pattern (m, t + m) also says which of the last t cached positions each new token sees."""
+    m, covered = pattern.shape
+    allowed = torch.cat([torch.ones(m, cached + m - covered, dtype=torch.bool), pattern.cpu()], dim=1)
     return blocking_mask(allowed, dtype)[None].to(device)
 
 

@@ -212,6 +212,19 @@ def test_a_variant_brings_its_own_draft_model(tmp_path, prompts_file, tiny_targe
     assert alone[1].draft == str(tmp_path / "own")
 
 
+def test_options_for_a_method_reach_its_variants_unless_they_set_them():
+    """-o rest.datastore=PATH serves every rest row; a variant's own value wins over -o for its method."""
+    given = {"specdec": {"beta": 7, "tau": 0.5}}
+    chosen, _ = methods.resolve_methods(["specdec", "specdec@beta=2"], {"draft_model"}, 0, given)
+    plain, swept = chosen[1:]
+    assert plain.check_options(plain.given_options(given))["beta"] == 7
+    assert swept.check_options(swept.given_options(given)) == {"gamma": 5, "beta": 2, "tau": 0.5}
+    needs_store, _ = methods.resolve_methods(["rest@max_nodes=8"], set(), 0, {"rest": {"datastore": "store"}})
+    assert needs_store[1].given_options({"rest": {"datastore": "store"}}) == {"datastore": "store"}
+    with pytest.raises(ValueError, match="needs datastore"):
+        methods.resolve_methods(["rest@max_nodes=8"], set(), 0)
+
+
 @pytest.mark.parametrize("name, message", [("specdec@beta", "name=value"), ("specdec@warp=1", "has no option 'warp'"),
                                            ("warp@beta=1", "unknown method 'warp'"),
                                            ("pld@draft=folder", "pld takes no draft model")])

@@ -42,7 +42,8 @@ def test_calibration_times_every_candidate_and_picks_the_fastest(make_tiny_model
     seen = []
     result = tune_auto(model, tokenizer, [PROMPT, PROMPT[::-1]], draft_model=model, max_new_tokens=8,
                        progress=lambda done, total, row: seen.append((done, total)))
-    assert len(result["table"]) == len(candidates(True)) and seen[-1] == (2 * len(candidates(True)) - 1, 2 * len(candidates(True)))
+    assert len(result["table"]) == len(candidates(True)) and seen[-1][0] == seen[-1][1] - 1
+    assert len(candidates(True)) < len(seen) <= 2 * len(candidates(True))  # round two: the contenders only
     fastest = max(result["table"], key=lambda row: row["speedup"])
     assert (result["method"], result["options"]) == (fastest["method"], fastest["options"])
     assert result["table"][0]["method"] == "autoregressive" and result["table"][0]["speedup"] == 1.0

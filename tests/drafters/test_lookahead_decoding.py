@@ -94,7 +94,7 @@ def test_bad_options_are_refused(options):
 # --- lossless generation -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{}, dict(window_size=3, ngram_size=2, guess_set_size=2)])
+@pytest.mark.parametrize("options", [{}, dict(window_size=5, ngram_size=4, guess_set_size=5)])  # default; the paper's
 def test_random_model_is_lossless(tiny_target, tokenizer, assert_lossless, options):
     result = assert_lossless(tiny_target, tokenizer, PROMPT, "lookahead-decoding", 30, **options)
     assert result.stats["draft_tokens"] > 0

@@ -97,6 +97,19 @@ def test_drafts_keep_the_most_frequent_branches(small_store):
     assert len(draft) == 3 and draft.parents.tolist()[2] == 0
 
 
+def test_context_adds_the_requests_own_repetition_above_the_corpus(small_store, tmp_path):
+    """context=True: the continuation of the tail's last occurrence in the context outweighs all corpus matches."""
+    context = torch.tensor([2, 3, 7, 7, 0, 2, 3])  # "2 3" was followed by "7 7 0" here, by 4 (x4) and 5 in the corpus
+    corpus_only = RestDrafter(small_store, min_query=2, max_nodes=4).propose(context, 10)
+    both = RestDrafter(small_store, min_query=2, max_nodes=8, context=True).propose(context, 10)
+    assert corpus_only.tokens.tolist()[0] == 4 and 7 not in corpus_only.tokens.tolist()
+    assert both.tokens.tolist()[:2] == [7, 4] and both.parents.tolist()[:2] == [ROOT, ROOT]  # 7 first: heavier
+    assert len(both) == 8  # the whole 6-token context branch, then the corpus's two heaviest nodes
+    write_datastore([], tmp_path / "empty", progress=False)
+    alone = RestDrafter(Datastore(tmp_path / "empty"), context=True).propose(context, 10)
+    assert alone.tokens.tolist() == [7, 7, 0, 2, 3, 7]  # copied on past the end, draft_depth 6
+
+
 def test_empty_datastore_matches_nothing(tmp_path):
     write_datastore([], tmp_path, progress=False)
     store = Datastore(tmp_path)
@@ -168,6 +181,14 @@ def test_copy_task_on_smollm(smollm, copy_prompt, code, assert_lossless, tmp_pat
     assert result.stats["mean_accepted_tokens"] > 1.5
 
 
+def test_context_copies_the_prompt_without_a_corpus(smollm, copy_prompt, assert_lossless, tmp_path):
+    model, tokenizer = smollm
+    write_datastore([], tmp_path, progress=False)
+    result = assert_lossless(model, tokenizer, copy_prompt, "rest", 40, datastore=str(tmp_path), context=True)
+    assert result.stats["mean_accepted_tokens"] > 1.5
+
+
 def test_sampling_keeps_the_target_distribution(assert_samples_target, tmp_path):
     write_datastore([[1, 3, 4, 5, 6], [3, 4, 7, 1], [3, 4, 5, 5], [4, 4, 4]], tmp_path, progress=False)
     assert_samples_target("rest", [1, 6, 3, 4], datastore=str(tmp_path), min_query=1)
+    assert_samples_target("rest", [1, 6, 3, 4], datastore=str(tmp_path), min_query=1, context=True)

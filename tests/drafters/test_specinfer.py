@@ -21,8 +21,26 @@ def test_static_tree_shape_and_draft_rows(tiny_target):
     assert draft.parents.tolist() == [ROOT, ROOT, 0, 0, 1, 1, 2, 3, 4, 5]
     assert draft.draft_probs.shape == (10, tiny_target.config.vocab_size)
     assert torch.equal(draft.draft_probs[0], draft.draft_probs[1])  # siblings share the distribution they came from
-    assert drafter.scorer.runner.length == len(PROMPT)  # the draft tree never stays in the draft cache
+    assert drafter.scorer.runner.length == len(PROMPT) + 6  # the nodes with children stay cached: 2 + 4
     assert len(drafter.propose(torch.tensor(PROMPT), max_nodes=3)) == 3  # the node budget cuts the tree
+
+
+def test_scored_levels_stay_cached_and_match_a_plain_forward(tiny_target):
+    """Each level forwards only its own nodes, attending to their cached ancestors: the logits equal a causal
+    forward of context + path. A node whose ancestors were never scored brings them along."""
+    scorer = DraftModelScorer(tiny_target)
+    tokens, parents = [3, 4, 5, 6], [ROOT, ROOT, 0, 1]  # a ─ c, b ─ d
+    for first_level in ([0, 1], []):
+        scorer.root_logits(PROMPT)
+        if first_level:
+            scorer.score(tokens, parents, first_level)
+        logits = scorer.score(tokens, parents, [2, 3])
+        assert scorer.runner.length == len(PROMPT) + 4
+        for row, path in ((0, [3, 5]), (1, [4, 6])):
+            expected = tiny_target(torch.tensor([PROMPT + path])).logits[0, -1].float()
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    scorer.root_logits(PROMPT + [3])  # the next proposal starts from the committed context
+    assert scorer.runner.length == len(PROMPT) + 1 and scorer.cached_nodes == []
 
 
 def test_tree_from_paths_ranks_children_by_draft_probability(tiny_target):
