@@ -40,11 +40,12 @@ class NGramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
-    def follow(self, context: list[int]) -> None:
-        """Index the tokens of context beyond those indexed; start over when context is another sequence."""
+    def follow(self, context: torch.Tensor) -> None:
+        """Index the tokens of context (L,) beyond those indexed; start over when context is another sequence.
+        Only the new tokens leave the tensor, so a step costs the same on a long context as on a short one."""
         if len(context) < len(self.tokens):
             self.tokens, self.ends = [], {}
-        self.extend(context[len(self.tokens) :])
+        self.extend(context[len(self.tokens) :].tolist())
 
     def occurrences(self, ngram: tuple[int, ...]) -> list[int]:
         """End positions of ngram, oldest first (empty when absent)."""
@@ -97,7 +98,7 @@ class PromptLookupDrafter:
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long, prompt + committed tokens; only the tokens new since the last call are indexed."""
-        self.index.follow(context.tolist())
+        self.index.follow(context)
         length = min(self.draft_length, max_nodes)
         return draft_from_candidates(lookup_candidates(self.index, length, self.branches), max_nodes)
 

@@ -257,7 +257,7 @@ class RestDrafter:
         for continuation in retrieved:
             tree.add(continuation)  # weight 1 each: a node's weight is its frequency among the matches
         if self.context_index is not None:
-            self.context_index.follow(context.tolist())
+            self.context_index.follow(context)
             for continuation in lookup_candidates(self.context_index, depth, branches=1):
                 tree.add(continuation, weight=len(retrieved) + 1)  # outweighs the corpus: the request repeats itself
         return tree.draft(min(self.max_nodes, max_nodes))
