@@ -19,7 +19,7 @@ import torch
 
 from accelgen.draft import Draft, tree_attention
 from accelgen.models.batch import forward_alone
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.registry import get_method
 from accelgen.sampling import SamplingConfig, logits_to_probs
 from accelgen.stopping import Output
@@ -179,7 +179,10 @@ class Sequence:
             raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
         generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         prompt_ids = encode_prompt(tokenizer, prompt)
-        target = spec.make_runner(model, **options) if spec.make_runner else ModelRunner(model)
+        if spec.make_runner and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"method {method!r} runs the model's layers itself and needs a PyTorch model; load it "
+                             "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
+        target = spec.make_runner(model, **options) if spec.make_runner else runner_for(model)
         if len(prompt_ids) >= target.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
         outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]

@@ -17,7 +17,8 @@ import torch
 
 from accelgen.draft import Draft, Verdict
 from accelgen.models.batch import forward_alone
-from accelgen.models.runner import ModelRunner
+from accelgen.models.llamacpp import LlamaCppModel
+from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 from accelgen.theory import AcceptanceEstimate, best_gamma
@@ -47,7 +48,7 @@ class DraftModelDrafter:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if gamma_schedule not in GAMMA_SCHEDULES:
             raise ValueError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
-        self.runner = ModelRunner(draft_model) if isinstance(draft_model, torch.nn.Module) else draft_model
+        self.runner = runner_for(draft_model) if isinstance(draft_model, (torch.nn.Module, LlamaCppModel)) else draft_model
         self.sampling = sampling
         self.generator = generator
         self.gamma = gamma

@@ -48,6 +48,9 @@ class DraftModelScorer:
     any tree nodes (one tree forward over those not cached yet, seeing their cached ancestors)."""
 
     def __init__(self, draft_model):
+        if not isinstance(draft_model, torch.nn.Module):
+            raise ValueError("a draft model that expands token trees level by level needs its PyTorch model; "
+                             "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32)")
         self.runner = ModelRunner(draft_model)
         self.cached_tokens: list[int] = []  # the committed context whose KV the draft cache holds
         self.cached_nodes: list[int] = []  # then the current tree's scored nodes, in cache order

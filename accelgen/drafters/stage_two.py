@@ -29,7 +29,7 @@ from accelgen.draft import Draft, Verdict
 from accelgen.drafters.draft_model import roll_back
 from accelgen.drafters.prompt_lookup import NGramIndex, copy_continuation
 from accelgen.generate import default_verifier
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.sampling import SamplingConfig, logits_to_probs
 
 
@@ -102,7 +102,7 @@ class SelfSpeculatingDraftModel:
         deterministic function of the sequence); by default a ContextNGramModel(max_ngram)."""
         if stage_two_tokens < 0:
             raise ValueError(f"stage_two_tokens must be >= 0, got {stage_two_tokens}")
-        self.runner = draft_model if isinstance(draft_model, ModelRunner) else ModelRunner(draft_model)
+        self.runner = draft_model if isinstance(draft_model, ModelRunner) else runner_for(draft_model)
         self.sampling = sampling
         self.generator = generator
         self.stage_two_tokens = stage_two_tokens

@@ -28,7 +28,7 @@ import torch
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.draft_model import catch_up
 from accelgen.generate import eos_token_ids
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import runner_for
 from accelgen.registry import MethodSpec, register
 
 LOOKBEHIND = 8  # committed tokens re-decoded around a boundary: enough for any merge to settle
@@ -138,7 +138,7 @@ class UniversalDrafter:
     def __init__(self, draft_model, target_tokenizer, draft_tokenizer, gamma: int = 5):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.runner = ModelRunner(draft_model)
+        self.runner = runner_for(draft_model)
         self.target = TextCodec(target_tokenizer)
         self.draft = TextCodec(draft_tokenizer)
         self.gamma = gamma

@@ -74,6 +74,18 @@ def prepare_embedded(name: str) -> Path:
     return folder
 
 
+def gguf_file(name_or_path: str) -> Path:
+    """The GGUF file of an embedded model (assembled from its packages into the cache if split) or a user's
+    .gguf path: what llama.cpp runs."""
+    if name_or_path in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[name_or_path].gguf_path(cache_dir() / "gguf")
+    path = Path(name_or_path).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"{name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) nor a .gguf file; "
+                         "llama.cpp runs GGUF files only")
+    return path
+
+
 def prepare_gguf(path: Path) -> Path:
     """Folder of a user's .gguf file as safetensors, keyed by path, size and modification time."""
     stat = path.stat()

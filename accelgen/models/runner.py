@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from accelgen import cache as kv
+from accelgen.models.llamacpp import LlamaCppModel
 
 
 class ModelRunner:
@@ -92,6 +93,12 @@ class ModelRunner:
             kv.compact(self.cache, keep)
         if self.hidden is not None:
             self.hidden = self.hidden[keep]
+
+
+def runner_for(model):
+    """A fresh runner over a model: ModelRunner for a transformers model, else the model's own engine's
+    (a GGUF file loaded by llama.cpp: accelgen.models.llamacpp)."""
+    return model.new_runner() if isinstance(model, LlamaCppModel) else ModelRunner(model)
 
 
 def additive_mask(cached: int, pattern: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
