@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 from accelgen.registry import parse_option_value
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster generation for Hugging Face causal LMs.")
@@ -33,11 +34,15 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
-def load_with_progress(name: str, dtype: Optional[str]):
+WEIGHTS_OPTION = typer.Option(None, "--weights", help=WEIGHTS_HELP)
+DRAFT_WEIGHTS_OPTION = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP)
+
+
+def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] = None):
     from accelgen.models import load_model
 
-    with console.status(f"loading {name} …"):
-        return load_model(name, dtype=dtype)
+    with console.status(f"loading {name}{f' ({weights})' if weights else ''} …"):
+        return load_model(name, dtype=dtype, weights=weights)
 
 
 @app.command()
@@ -57,6 +62,8 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    weights: Optional[str] = WEIGHTS_OPTION,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
     option: list[str] = typer.Option([], "--option", "-o", help="Method option name=value (repeatable), e.g. -o gamma=8."),
     as_json: bool = typer.Option(False, "--json", help="Print text, token_ids, finish_reason and stats as one JSON object."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is committed."),
@@ -76,8 +83,8 @@ def generate(
         options = spec.check_options({**parse_options(option), **({"heads": heads} if heads else {})})
         if "draft_model" in spec.needs and draft is None:
             raise ValueError(f"method {method!r} needs a draft model: pass --draft")
-        target_model, tokenizer = load_with_progress(model, dtype)
-        draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
+        target_model, tokenizer = load_with_progress(model, dtype, weights)
+        draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
         request = [{"role": "user", "content": prompt}] if chat else prompt
         kwargs = dict(method=method, draft_model=draft_model, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop=stop, **options)
@@ -219,6 +226,8 @@ def profile(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also measure c and predict γ."),
     dtype: Optional[str] = typer.Option(None),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    weights: Optional[str] = WEIGHTS_OPTION,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
     context_tokens: int = typer.Option(256, "--context-tokens", help="KV-cache length the forwards run after."),
     sizes: str = typer.Option("1,2,4,8,16,32", help="Block sizes k to time, comma-separated."),
     alphas: str = typer.Option("0.5,0.6,0.7,0.8,0.9", help="Acceptance rates to predict speedups for."),
@@ -243,8 +252,8 @@ def profile(
         raise typer.BadParameter("--sizes and --batch-sizes take integers, --alphas numbers, comma-separated") from None
     if min(block_sizes + batches) < 1 or context_tokens < 1 or not all(0 <= alpha <= 1 for alpha in acceptance):
         raise typer.BadParameter("sizes and --context-tokens must be >= 1, acceptance rates within [0, 1]")
-    target_model, _ = load_with_progress(model, dtype)
-    draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
+    target_model, _ = load_with_progress(model, dtype, weights)
+    draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
     with console.status("profiling …") as status:
         result = measure(target_model, draft_model, context_tokens=context_tokens, sizes=block_sizes,
                          repeats=repeats, batch_sizes=batches,
@@ -288,6 +297,8 @@ def tune(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="auto: the draft model it may use."),
     dtype: Optional[str] = typer.Option(None),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    weights: Optional[str] = WEIGHTS_OPTION,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
     dataset: str = typer.Option("humaneval", help="Calibration prompts (spread over the second half of this dataset); "
                                                   "auto saves its choice under this workload name."),
     prompts: int = typer.Option(3, help="Number of calibration prompts."),
@@ -306,8 +317,8 @@ def tune(
         raise typer.BadParameter(f"only self-speculative and auto can be tuned, not {method!r}")
     if threads:
         torch.set_num_threads(threads)
-    target_model, tokenizer = load_with_progress(model, dtype)
-    draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
+    target_model, tokenizer = load_with_progress(model, dtype, weights)
+    draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in calibration_prompts(load_dataset(dataset), prompts)]
     try:
         if method == "auto":

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from accelgen.models.batch import batched_forward
-from accelgen.models.runner import ModelRunner
+from accelgen.models.runner import runner_for
 from accelgen.theory import best_gamma, predicted_speedup
 
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -34,7 +34,7 @@ def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: 
 def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5) -> dict[int, float]:
     """Per k in sizes: median time of one forward of `batch` sequences, k tokens each after a KV cache of
     prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up)."""
-    runners = [ModelRunner(model) for _ in range(batch)]
+    runners = [runner_for(model) for _ in range(batch)]
     for runner in runners:
         runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
     prefix = runners[0].length

@@ -120,18 +120,45 @@ def _convert_gguf(gguf_path: Path, folder: Path) -> None:
     print(f"accelgen: cached {folder.name}", file=sys.stderr)
 
 
+WEIGHTS = ("auto", "gguf", "fp32", "bf16", "int8", "int4")
+WEIGHTS_HELP = ("Weight format: fp32, bf16, int8, int4 (weight-only quantized), gguf (the GGUF file run by llama.cpp) "
+                "or auto (the fastest on this machine, measured once and cached).")
+DRAFT_WEIGHTS_HELP = "Weight format of the draft model (as --weights); the output never depends on it."
+
+
+def check_weights(weights: str | None) -> None:
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHTS)}")
+
+
 def load_model(
     name_or_path: str,
     dtype: str | torch.dtype | None = None,
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    weights: str | None = None,
+    threads: int | None = None,
 ):
     """Return (model, tokenizer) for an embedded name, a HF id, a local folder or a .gguf file.
 
+    weights: None (dtype decides), "fp32", "bf16", "int8" or "int4" (weight-only quantized linear layers,
+    accelgen/models/formats.py), "gguf" (the GGUF file itself, run by llama.cpp: accelgen/models/llamacpp.py),
+    or "auto": the format a short probe of this machine found fastest (accelgen/models/probe.py).
     dtype defaults to bfloat16 for embedded models and to the checkpoint's own dtype otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_weights(weights)
+    if weights == "auto":
+        from accelgen.models.probe import choose_weights
+
+        weights = choose_weights(name_or_path, threads=threads)["weights"]
+    if weights == "gguf":
+        from accelgen.models.llamacpp import load_llamacpp
+
+        return load_llamacpp(name_or_path, threads)
+    if weights in ("fp32", "bf16"):
+        dtype = dtype or {"fp32": "float32", "bf16": "bfloat16"}[weights]
     torch_dtype = resolve_dtype(dtype)
     if name_or_path in EMBEDDED_MODELS:
         folder = prepare_embedded(name_or_path)
@@ -148,5 +175,37 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch_dtype or "auto", attn_implementation=attn_implementation
     )
+    if weights in ("int8", "int4"):
+        quantize_cached(model, weights, Path(folder), torch_dtype or torch.bfloat16)
     model.to(device).eval()
     return model, tokenizer
+
+
+def quantize_cached(model, fmt: str, folder: Path, compute_dtype: torch.dtype) -> None:
+    """Quantize the model's linear layers to fmt, reading the quantized tensors from the cache when a
+    previous load saved them (keyed by the folder's weights, the format and the torch version), else
+    quantizing and saving them (to a temporary file, then renamed)."""
+    from safetensors.torch import load_file, save_file
+
+    from accelgen.models.formats import quantize
+
+    path = quantized_cache_path(folder, fmt)
+    cached = load_file(path) if path is not None and path.is_file() else None
+    if cached is None:
+        print(f"accelgen: quantizing {folder.name} to {fmt} once; later loads read it from the cache", file=sys.stderr)
+    saved = quantize(model, fmt, cached, compute_dtype)
+    if cached is None and path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        save_file({key: value.contiguous() for key, value in saved.items()}, partial)
+        partial.replace(path)
+
+
+def quantized_cache_path(folder: Path, fmt: str) -> Path | None:
+    """Where the quantized tensors of the weights in `folder` are cached (None: not a local folder)."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    stamp = ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    key = hashlib.sha1(f"{stamp}|{fmt}|{torch.__version__}".encode()).hexdigest()[:16]
+    return cache_dir() / "quantized" / f"{folder.name}-{fmt}-{key}.safetensors"

@@ -12,6 +12,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
+
 console = Console(stderr=True)
 
 
@@ -42,6 +44,8 @@ def serve(
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Largest max_tokens a request may ask for."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
+    draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's: info logs every request, warning does not."),
 ):
@@ -68,8 +72,8 @@ def serve(
         if unserved:
             raise ValueError(f"options given for {', '.join(unserved)}, which this server does not serve ({', '.join(methods)})")
         options = {name: accelgen.get_method(name).check_options(options.get(name, {})) for name in methods}
-        target_model, tokenizer = load_with_progress(model, dtype)
-        draft_model = load_with_progress(draft, draft_dtype)[0] if draft else None
+        target_model, tokenizer = load_with_progress(model, dtype, weights)
+        draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
         config = ServerConfig(model_name=model, model=target_model, tokenizer=tokenizer, draft_model=draft_model,
                               method=method, methods=options, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
                               max_tokens=max_tokens, max_concurrent=max_concurrent)
