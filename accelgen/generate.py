@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from accelgen.costs import DraftBudget, verify_ratios
 from accelgen.draft import Draft, tree_attention
 from accelgen.models.batch import forward_alone
 from accelgen.models.runner import ModelRunner, runner_for
@@ -24,6 +25,11 @@ from accelgen.registry import get_method
 from accelgen.sampling import SamplingConfig, logits_to_probs
 from accelgen.stopping import Output
 from accelgen.verify import verify_greedy, verify_speculative_sampling
+
+
+# "method": drafts as long as the method's options say; "measured": capped each step at the length the measured
+# costs (accelgen/costs.py) predict fastest, down to none, so that speculation never loses to plain decoding
+DRAFT_BUDGETS = ("method", "measured")
 
 
 @dataclass
@@ -153,8 +159,12 @@ class Sequence:
     sequences by the server), then `commit` (verify, roll the cache back to the accepted path, emit tokens).
     """
 
-    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator):
+    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator,
+                 budget: DraftBudget | None = None):
         self.target = target
+        self.budget = budget  # caps drafts by measured costs (draft_budget="measured"), else None
+        self._draft_seconds = 0.0  # this step's drafting, and when its target forward started (for the budget)
+        self._planned_at = 0.0
         self.drafter = drafter
         self.verify = verify
         self.output = output
@@ -169,6 +179,9 @@ class Sequence:
               seed: int | None = None, stop: list[str] | str | None = None, **method_options) -> "Sequence":
         """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input."""
         spec = get_method(method)
+        draft_budget = method_options.pop("draft_budget", "measured" if spec.name == "auto" else "method")
+        if draft_budget not in DRAFT_BUDGETS:
+            raise ValueError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
         options = spec.check_options(method_options)
         if "draft_model" in spec.needs and draft_model is None:
             raise ValueError(f"method {method!r} needs a draft model: pass draft_model= (CLI: --draft)")
@@ -197,7 +210,8 @@ class Sequence:
             attach(target)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
-        return cls(target, drafter, verify, prompt_ids, output, generator)
+        budget = DraftBudget(verify_ratios(model)) if draft_budget == "measured" else None
+        return cls(target, drafter, verify, prompt_ids, output, generator, budget)
 
     @property
     def done(self) -> bool:
@@ -228,6 +242,8 @@ class Sequence:
         room = min(self.output.max_new_tokens - len(self.output.token_ids), self.target.max_positions - len(self.context)) - 1
         if max_draft is not None:
             room = min(room, max_draft)
+        if self.budget is not None:
+            room = min(room, self.budget.limit())
         started = time.perf_counter()
         draft = Draft.empty()
         if room > 0:
@@ -237,7 +253,9 @@ class Sequence:
             else:
                 draft = self.drafter.propose(self.context, room)
             draft = draft.truncated(room)
-        self.stats.draft_seconds += time.perf_counter() - started
+        self._draft_seconds = time.perf_counter() - started
+        self.stats.draft_seconds += self._draft_seconds
+        self._planned_at = time.perf_counter()
         uncached = self.context[self.target.length :]  # a drafter that runs the target itself (PaSS) may cache some
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
         return Step(torch.cat([uncached, draft.tokens]), draft, tree, logits_for_last=len(draft) + 1)
@@ -248,11 +266,16 @@ class Sequence:
         if step.prefill_only:
             return Chunk([], "")
         draft = step.draft
+        if self.budget is not None:
+            forward_seconds = time.perf_counter() - self._planned_at
         verdict = self.verify(draft, target_logits, self.generator)
         prefix = len(self.context) - 1  # cache positions before the root
         self.target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
         self.drafter.update(draft, verdict, target_logits)
         self.stats.record(draft, len(verdict.accepted))
+        if self.budget is not None:  # a step that also read prompt tokens says nothing about the costs
+            prefilled = len(step.input_ids) > len(draft) + 1
+            self.budget.observe(len(draft), len(verdict.accepted), self._draft_seconds, 0.0 if prefilled else forward_seconds)
         committed = []
         for token in verdict.new_tokens(draft):
             committed.append(token)

@@ -21,7 +21,9 @@ from accelgen.models.llamacpp import LlamaCppModel
 from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import SamplingConfig, logits_to_probs, sample
-from accelgen.theory import AcceptanceEstimate, best_gamma
+from accelgen.costs import PROBE_EVERY, best_draft_length, verify_ratios
+from accelgen.profile import interpolate
+from accelgen.theory import AcceptanceEstimate
 
 GAMMA_SCHEDULES = ("constant", "heuristic", "cost")
 # the options of DraftModelDrafter's drafting, for every method that drafts with it (speculative, distillspec, online)
@@ -39,11 +41,13 @@ class DraftModelDrafter:
         max_gamma: int = 32,
         confidence_threshold: float = 0.0,
         greedy_draft_probs: bool = False,
+        verify_ratio: dict[int, float] | None = None,
     ):
         """draft_model: a model, or a runner over one (`self-speculative`: the target with layers skipped;
         `layerskip`: the target's first layers, in the target's own cache).
         greedy_draft_probs: at temperature 0, also attach the draft model's distribution (softmax at
-        temperature 1) at each drafted position, for verification rules that use it (`contrastive`)."""
+        temperature 1) at each drafted position, for verification rules that use it (`contrastive`).
+        verify_ratio: the target's measured r(k) (accelgen/costs.py), for gamma_schedule="cost"."""
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if gamma_schedule not in GAMMA_SCHEDULES:
@@ -57,7 +61,7 @@ class DraftModelDrafter:
         self.confidence_threshold = confidence_threshold
         self.greedy_draft_probs = greedy_draft_probs
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
-        self.costs = CostEstimate() if gamma_schedule == "cost" else None
+        self.costs = CostEstimate(verify_ratio or {1: 1.0}) if gamma_schedule == "cost" else None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         return forward_alone(self.draft_steps(context, max_nodes))
@@ -110,21 +114,27 @@ class DraftModelDrafter:
 
 
 class CostEstimate:
-    """Running estimates of α (per draft token) and c (draft forward / target step) for gamma_schedule="cost".
+    """Running estimates of α (per draft token) and c (draft forward / target step) for gamma_schedule="cost",
+    and the target's measured verification cost r(k).
 
-    The target step is timed from the end of a proposal to its verdict (the target forward and verification).
-    The first step is left out of the timings: there both models also read the prompt. Old observations fade
-    (DECAY per step), so γ follows the text: long on boilerplate, short where the draft model guesses badly.
+    The target step is timed from the end of a proposal to its verdict (the target forward over γ + 1 tokens
+    and verification), so one decoding step is that time over r(γ + 1). The first step is left out of the
+    timings: there both models also read the prompt. Old observations fade (DECAY per step), so γ follows the
+    text: long on boilerplate, short where the draft model guesses badly, and 0 (plain decoding) where no
+    draft length pays; then one step in PROBE_EVERY drafts a single token, so α keeps being measured.
     """
 
     DECAY = AcceptanceEstimate.DECAY
 
-    def __init__(self):
+    def __init__(self, verify_ratio: dict[int, float]):
         self.acceptance = AcceptanceEstimate()
+        self.verify_ratio = lambda tokens: interpolate(verify_ratio, tokens)
         self.draft_seconds: float | None = None  # per draft forward
-        self.target_seconds: float | None = None  # per target step
+        self.target_seconds: float | None = None  # per one-token target step
         self.steps = 0
+        self.steps_without_draft = 0
         self._draft_done = 0.0
+        self._drafted = 0
 
     def drafted(self, forwards: int, seconds: float) -> None:
         self._draft_done = time.perf_counter()
@@ -132,16 +142,25 @@ class CostEstimate:
             self.draft_seconds = _fade(self.draft_seconds, seconds / forwards)
 
     def verified(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return  # a plain decoding step (γ = 0): neither α nor the costs are observed
         if self.steps > 0:
-            self.target_seconds = _fade(self.target_seconds, time.perf_counter() - self._draft_done)
+            step = (time.perf_counter() - self._draft_done) / self.verify_ratio(drafted + 1)
+            self.target_seconds = _fade(self.target_seconds, step)
         self.steps += 1
         self.acceptance.observe(drafted, accepted)
 
     def best_gamma(self, gamma: int, max_gamma: int) -> int:
-        """The γ with the best predicted speedup; `gamma` unchanged until both costs have been measured."""
+        """The γ (0 = no draft) with the best predicted speedup; `gamma` unchanged until both costs are measured."""
         if self.draft_seconds is None or self.target_seconds is None:
             return gamma
-        return best_gamma(self.acceptance.alpha, self.draft_seconds / self.target_seconds, max_gamma)
+        best = best_draft_length(self.acceptance.alpha, self.draft_seconds / self.target_seconds, max_gamma,
+                                 self.verify_ratio)
+        if best == 0:
+            self.steps_without_draft += 1
+            if self.steps_without_draft % PROBE_EVERY == 0:
+                best = 1
+        return best
 
 
 def _fade(average: float | None, value: float) -> float:
@@ -187,7 +206,14 @@ def check_vocabularies(target_model, draft_model) -> None:
 
 def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
     check_vocabularies(target_model, draft_model)
-    return DraftModelDrafter(draft_model, sampling, generator, **options)
+    return DraftModelDrafter(draft_model, sampling, generator, **cost_options(target_model, options))
+
+
+def cost_options(target_model, options: dict) -> dict:
+    """options, plus the target's measured r(k) when γ follows the costs (measured once per machine, cached)."""
+    if options.get("gamma_schedule") != "cost":
+        return options
+    return {**options, "verify_ratio": verify_ratios(target_model)}
 
 
 register(

@@ -2,6 +2,7 @@ import torch
 
 import accelgen
 from accelgen.draft import Draft, Verdict
+from accelgen.costs import PROBE_EVERY
 from accelgen.drafters.draft_model import CostEstimate, DraftModelDrafter
 from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig
@@ -24,25 +25,37 @@ def test_heuristic_schedule_grows_on_full_acceptance_and_shrinks_otherwise(tiny_
     assert drafter.gamma == 1  # never below one token
 
 
+FLAT = {1: 1.0, 32: 1.0}  # verification as cheap as one token (weight-bound forwards)
+LINEAR = {1: 1.0, 32: 32.0}  # every verified token costs a whole forward (compute-bound)
+
+
 def test_cost_schedule_picks_the_gamma_the_theory_predicts_best():
-    costs = CostEstimate()
+    costs = CostEstimate(FLAT)
     assert costs.best_gamma(5, 16) == 5  # nothing measured yet: keep the starting gamma
     costs.draft_seconds, costs.target_seconds = 0.01, 0.2  # c = 0.05
     costs.acceptance.accepted, costs.acceptance.rejections = 38, 9  # α = 39 / 49 ≈ 0.8 (Laplace)
     assert costs.best_gamma(5, 16) == 8  # see tests/test_theory.py
     costs.acceptance.accepted, costs.acceptance.rejections = 0, 20
-    assert costs.best_gamma(5, 16) == 1
+    assert costs.best_gamma(5, 16) == 0  # α ≈ 0.05: no draft pays, decode plainly
+
+
+def test_cost_schedule_falls_back_to_plain_decoding_when_verification_costs_as_much_as_decoding():
+    costs = CostEstimate(LINEAR)
+    costs.draft_seconds, costs.target_seconds = 0.01, 0.2
+    costs.acceptance.accepted, costs.acceptance.rejections = 38, 9  # α ≈ 0.8: still nothing pays when r(k) = k
+    chosen = [costs.best_gamma(5, 16) for _ in range(PROBE_EVERY)]
+    assert chosen[:-1] == [0] * (PROBE_EVERY - 1) and chosen[-1] == 1  # one probe step keeps α measured
 
 
 def test_cost_schedule_measures_as_it_goes(tiny_target, tiny_draft):
-    drafter = DraftModelDrafter(tiny_draft, GREEDY, None, gamma=4, gamma_schedule="cost", max_gamma=6)
+    drafter = DraftModelDrafter(tiny_draft, GREEDY, None, gamma=4, gamma_schedule="cost", max_gamma=6, verify_ratio=FLAT)
     context = torch.tensor(PROMPT)
     for step in range(3):
         draft = drafter.propose(context, max_nodes=8)
         drafter.update(draft, Verdict([], 7), None)  # every draft rejected
         context = torch.cat([context, torch.tensor([7])])
     assert drafter.costs.draft_seconds > 0 and drafter.costs.target_seconds > 0
-    assert drafter.costs.acceptance.rejections > 2 and drafter.gamma == 1
+    assert drafter.costs.acceptance.rejections > 1 and drafter.gamma == 0  # rejected twice: drafting stopped
 
 
 def test_draft_cache_forgets_rejected_tokens(tiny_target, tiny_draft):
