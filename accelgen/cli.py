@@ -161,8 +161,10 @@ def models(
     prepare: list[str] = typer.Option([], "--prepare", help="Assemble and convert an embedded model into the cache now."),
 ):
     """List the embedded default models: installed or not, converted into the cache or not."""
+    from accelgen.hardware import flags_text
     from accelgen.models import EMBEDDED_MODELS, cache_dir, is_cached
     from accelgen.models.loading import prepare_embedded
+    from accelgen.models.probe import cached_choice
 
     for name in install + prepare:
         if name not in EMBEDDED_MODELS:
@@ -179,6 +181,12 @@ def models(
         table.add_row(model.name, "yes" if model.is_installed() else "no", "yes" if is_cached(model.name) else "no",
                       model.description, f"accelgen models --install {model.name}")
     table_console().print(table)
+    for model in EMBEDDED_MODELS.values():
+        choice = cached_choice(model.name)
+        if choice is not None:
+            table_console().print(f"{model.name}: weights=auto picks {choice['weights']} on this machine "
+                                  f"({flags_text(choice['machine'])}): {choice['reason']}")
+    table_console().print("weights=auto measures each format once per machine and model (--weights auto on any command)")
     table_console().print(f"cache folder: {cache_dir()} (set ACCELGEN_CACHE to move it)")
 
 

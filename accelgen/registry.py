@@ -43,9 +43,13 @@ class MethodSpec:
         return merge_options(self.name, self.options, options)
 
 
+# options every method takes, handled by the loop (accelgen/generate.py) rather than by the method
+LOOP_OPTIONS = ("draft_budget",)
+
+
 def merge_options(method: str, defaults: dict, options: dict) -> dict:
-    """Defaults overlaid with the user's options; unknown option names are an error."""
-    unknown = sorted(set(options) - set(defaults))
+    """Defaults overlaid with the user's options; unknown option names are an error (LOOP_OPTIONS pass through)."""
+    unknown = sorted(set(options) - set(defaults) - set(LOOP_OPTIONS))
     if unknown:
         known = ", ".join(sorted(defaults)) or "none"
         raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")

@@ -20,7 +20,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from accelgen.models.llamacpp import LlamaCppModel
+
 TIE_ULPS = 4
+# llama.cpp: a one-token decode and a block decode (and KV cells in another order) differ by up to about one logit
+# on a 4-bit model, so two tokens this close to the best are tied (docs/llamacpp-engine.md)
+LLAMACPP_TIE = 1.0
 SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11}  # including the implicit leading bit
 
 
@@ -70,13 +75,14 @@ def tie_tolerance(dtype: torch.dtype, magnitude: float) -> float | None:
 
 
 def classify(reference_logits: torch.Tensor, position: int, baseline_token: int, method_token: int,
-             dtype: torch.dtype) -> Divergence:
-    """Judge one divergence from the reference logits (vocab,) at the first differing position."""
+             dtype: torch.dtype | None, tolerance: float | None = None) -> Divergence:
+    """Judge one divergence from the reference logits (vocab,) at the first differing position (tolerance: given,
+    for an engine whose rounding is not a dtype's, else from dtype)."""
     top = torch.topk(reference_logits.float(), 2)
     top1, top2 = float(top.values[0]), float(top.values[1])
     baseline_logit = float(reference_logits[baseline_token])
     method_logit = float(reference_logits[method_token])
-    tolerance = tie_tolerance(dtype, top1)
+    tolerance = tolerance if tolerance is not None else tie_tolerance(dtype, top1)
     gap = top1 - min(baseline_logit, method_logit)  # how far the worse of the two is below the best
     if tolerance is None:
         classification, reason = "error", f"{dtype_name(dtype)} run: any divergence is an error"
@@ -105,6 +111,9 @@ def audit(model, prompt_ids: list[int], baseline_tokens: list[int], method_token
         ended = "baseline" if position >= len(baseline_tokens) else "method"
         return Divergence(position, at(baseline_tokens, position), at(method_tokens, position),
                           reason=f"the {ended} stopped earlier with the same tokens before it")
+    if isinstance(model, LlamaCppModel):  # llama.cpp rounds by batch layout, not by a dtype: docs/llamacpp-engine.md
+        logits = model.new_runner().forward(torch.tensor(prompt_ids + baseline_tokens[:position]), logits_for_last=1)[0]
+        return classify(logits, position, baseline_tokens[position], method_tokens[position], None, LLAMACPP_TIE)
     logits = reference_logits(model, prompt_ids + baseline_tokens[:position])
     return classify(logits, position, baseline_tokens[position], method_tokens[position], model.dtype)
 
@@ -113,5 +122,10 @@ def at(tokens: list[int], position: int) -> int | None:
     return tokens[position] if position < len(tokens) else None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def dtype_label(model) -> str:
+    """What decides the model's rounding: its dtype, or the llama.cpp engine."""
+    return "gguf (llama.cpp)" if isinstance(model, LlamaCppModel) else dtype_name(model.dtype)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 from accelgen.registry import parse_option_value
 
 console = Console(stderr=True)
@@ -97,6 +98,9 @@ def bench(
     threads: int = typer.Option(2, help="torch CPU threads, fixed for the whole run."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP + " Rows may set their own: "
+                                          "autoregressive@weights=int8."),
+    draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
     prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (dataset's choice), chat or raw."),
     option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable), e.g. -o speculative.gamma=8; it applies to the method's variants too, unless their name sets it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default: results/<dataset>-<model>)."),
@@ -114,6 +118,7 @@ def bench(
     try:
         config = runner.BenchConfig(
             model=model, dataset=dataset, draft=draft, dtype=dtype, draft_dtype=draft_dtype or dtype,
+            weights=weights, draft_weights=draft_weights,
             methods=split_list(methods), limit=limit, categories=split_list(categories), max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, threads=threads, prompt_format=prompt_format,
             options=parse_method_options(option), warmup=warmup,
@@ -123,11 +128,11 @@ def bench(
             console.print(f"[dim]{note}[/dim]")
         out_dir = out or default_out_dir(dataset, model)
         with console.status(f"loading {model} …"):
-            target_model, tokenizer = load_model(model, dtype=dtype)
+            target_model, tokenizer = load_model(model, dtype=dtype, weights=weights, threads=threads)
         draft_model = None
         if draft:
             with console.status(f"loading {draft} …"):
-                draft_model = load_model(draft, dtype=config.draft_dtype)[0]
+                draft_model = load_model(draft, dtype=config.draft_dtype, weights=draft_weights, threads=threads)[0]
         console.print(f"{len(bench_plan.prompts)} prompts × {len(bench_plan.methods)} methods "
                       f"({', '.join(m.name for m in bench_plan.methods)}) → {out_dir}")
         total = len(bench_plan.prompts) * len(bench_plan.methods)

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 import accelgen
+from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
+from accelgen.bench.llamacpp import LlamaCppPeers
 from accelgen.generate import eos_token_ids
+from accelgen.models.loading import check_weights
 from accelgen.registry import merge_options, parse_option_value
 
 BASELINE = "hf-greedy"
@@ -42,6 +45,8 @@ class BenchMethod:
     summary: str = ""
     can_sample: bool = True
     draft: str | None = None  # a draft model of this row's own (variant option draft=PATH), instead of --draft
+    weights: str | None = None  # the target in a weight format of this row's own (variant option weights=FORMAT)
+    draft_weights: str | None = None  # the draft's format for this row (variant option draft_weights=FORMAT)
     fixed: tuple[str, ...] = ()  # options a variant's name sets: -o for the base method does not override them
 
     @property
@@ -80,9 +85,18 @@ HF_METHODS = {
 }
 
 
+# llama.cpp's own loop on the same GGUF files (accelgen/bench/llamacpp.py)
+LLAMACPP_METHODS = {
+    name: BenchMethod(name, "llamacpp", "baseline" if name == "llamacpp" else "speculative", "distribution-exact",
+                      needs=("draft_model",) if name == "llamacpp-draft" else (), summary=summary, can_sample=False,
+                      weights="gguf", draft_weights="gguf" if name == "llamacpp-draft" else None)
+    for name, summary in LLAMACPP_PEERS.items()
+}
+
+
 def available_methods() -> dict[str, BenchMethod]:
-    """HF peers and every registered accelgen method, by name."""
-    methods = dict(HF_METHODS)
+    """HF and llama.cpp peers and every registered accelgen method, by name."""
+    methods = {**HF_METHODS, **LLAMACPP_METHODS}
     for spec in accelgen.list_methods():
         if spec.name in methods:
             raise ValueError(f"accelgen method {spec.name!r} clashes with a benchmark baseline name")
@@ -106,12 +120,19 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
                              "e.g. specdec@beta=2+tau=0.5")
         values[key.replace("-", "_")] = parse_option_value(value)
     base = methods[base_name]
-    # draft=PATH gives the row a draft model of its own, e.g. to compare a distilled draft with the original
+    # draft=PATH gives the row a draft model of its own, e.g. to compare a distilled draft with the original;
+    # weights=FORMAT and draft_weights=FORMAT load the row's target and draft in formats of their own
     draft = values.pop("draft", None)
-    if draft is not None and "draft_model" not in base.needs:
+    weights, draft_weights = values.pop("weights", base.weights), values.pop("draft_weights", base.draft_weights)
+    if (draft is not None or draft_weights != base.draft_weights) and "draft_model" not in base.needs:
         raise ValueError(f"method variant {name!r}: {base_name} takes no draft model")
+    for given in (weights, draft_weights):
+        check_weights(given)
+    if base.source != "accelgen" and (weights != base.weights or draft_weights != base.draft_weights):
+        raise ValueError(f"method variant {name!r}: {base_name} runs in its own weight format")
     return dataclasses.replace(base, name=name, options=base.check_options(values),
-                               draft=None if draft is None else str(draft), fixed=tuple(values))
+                               draft=None if draft is None else str(draft), fixed=tuple(values),
+                               weights=weights, draft_weights=draft_weights)
 
 
 def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
@@ -175,8 +196,11 @@ def run_method(
     temperature: float,
     seed: int,
     options: dict,
+    peers: LlamaCppPeers | None = None,
 ) -> dict:
     """Generate once and time it; a record of new tokens, seconds and forward statistics."""
+    if method.source == "llamacpp":
+        return peers.run(method.registered_name, prompt_ids, max_new_tokens)
     if method.source == "hf":
         return run_hf(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, options=options)

@@ -19,21 +19,31 @@ OVERALL = "overall"
 
 
 def compare_with_baseline(records: list[dict], greedy: bool) -> list[dict]:
-    """Records with `speedup` (baseline seconds / own seconds, same prompt), `identical` (token-exact with the
-    baseline), `agreement` and `rouge_l` (accelgen.quality, against it) added; the last three are None for
-    sampling runs or without a baseline record."""
-    baseline = {r["prompt_id"]: r for r in records if r["method"] == BASELINE}
+    """Records with `speedup` (baseline seconds / own seconds, same prompt), `format_speedup` (the same against
+    the autoregressive row of the record's weight format, `speed_reference`), `identical` (token-exact with
+    its `reference` row: hf-greedy, or in another weight format that format's autoregressive row), and
+    `agreement` and `rouge_l` (accelgen.quality, against the reference) added; the last three are None for
+    sampling runs or without a reference record. Records from before formats were recorded compare with hf-greedy."""
+    by_prompt: dict = {}
+    for record in records:
+        by_prompt.setdefault(record["prompt_id"], {})[record["method"]] = record
     compared = []
     for record in records:
-        base = baseline.get(record["prompt_id"])
+        rows = by_prompt[record["prompt_id"]]
+        base = rows.get(BASELINE)
+        reference = rows.get(record.get("reference", BASELINE)) if record.get("reference", BASELINE) else None
+        speed_reference = rows.get(record.get("speed_reference") or "")
         speedup = base["seconds"] / record["seconds"] if base and record["seconds"] > 0 else None
+        format_speedup = (speed_reference["seconds"] / record["seconds"]
+                          if speed_reference and record["seconds"] > 0 else None)
         baseline_tokens = base["new_tokens"] if base else None
-        checked = base is not None and greedy  # sampled outputs are not expected to match
-        identical = record["token_ids"] == base["token_ids"] if checked else None
-        agreement = token_agreement(base["token_ids"], record["token_ids"]) if checked else None
-        overlap = rouge_l(base["token_ids"], record["token_ids"]) if checked else None
-        compared.append({**record, "speedup": speedup, "baseline_tokens": baseline_tokens, "identical": identical,
-                         "agreement": agreement, "rouge_l": overlap})
+        checked = reference is not None and greedy  # sampled outputs are not expected to match
+        identical = record["token_ids"] == reference["token_ids"] if checked else None
+        agreement = token_agreement(reference["token_ids"], record["token_ids"]) if checked else None
+        overlap = rouge_l(reference["token_ids"], record["token_ids"]) if checked else None
+        compared.append({**record, "speedup": speedup, "format_speedup": format_speedup,
+                         "baseline_tokens": baseline_tokens, "identical": identical, "agreement": agreement,
+                         "rouge_l": overlap})
     return compared
 
 
@@ -52,6 +62,9 @@ def summarize(records: list[dict]) -> dict:
         "tokens_per_second": new_tokens / seconds if seconds > 0 else None,
         "speedup_total": baseline_seconds / own_seconds if own_seconds > 0 else None,
         "speedup_geomean": geometric_mean([r["speedup"] for r in with_speedup]),
+        "format_speedup_total": format_speedup_total(records),
+        "weights": next((r["weights"] for r in records if r.get("weights")), None),
+        "reference": next((r["reference"] for r in records if r.get("reference")), None),
         # tokens/s against the baseline's on the same prompts: a lossy method's output may be longer or shorter
         "speedup_per_token": per_token_speedup(with_speedup, baseline_seconds),
         "tau": ratio(records, "new_tokens", "target_forwards"),
@@ -59,7 +72,7 @@ def summarize(records: list[dict]) -> dict:
         "draft_share": ratio(records, "draft_seconds", "seconds"),
         "compared": len(compared),
         "identical": sum(1 for r in compared if r["identical"]),
-        "mismatched_prompts": [r["prompt_id"] for r in compared if not r["identical"]],
+        "mismatched_prompts": [r["prompt_id"] for r in compared if not r["identical"] and not r.get("quality_only")],
         "agreement": fmean(r["agreement"] for r in compared) if compared else None,
         "rouge_l": fmean(r["rouge_l"] for r in compared) if compared else None,
         "mean_layers": mean_of(records, "mean_layers"),
@@ -89,6 +102,13 @@ def aggregate(records: list[dict], method_order: list[str], gammas: dict[str, in
                 summary["alpha_per_token"] = per_token_acceptance(own, gammas[method])
             result[scope][method] = summary
     return result
+
+
+def format_speedup_total(records: list[dict]) -> float | None:
+    """Total time of the same-format autoregressive row over the record's own, on the prompts both ran."""
+    paired = [r for r in records if r.get("format_speedup") is not None]
+    own = sum(r["seconds"] for r in paired)
+    return sum(r["seconds"] * r["format_speedup"] for r in paired) / own if own > 0 else None
 
 
 def per_token_speedup(records: list[dict], baseline_seconds: float) -> float | None:

@@ -92,6 +92,7 @@ def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> li
         unaudited = [p for p in summary["mismatched_prompts"] if p not in verdicts]
         warnings.append({
             "method": name,
+            "reference": summary.get("reference") or BASELINE,
             "source": info["source"],
             "mismatched": len(summary["mismatched_prompts"]),
             "compared": summary["compared"],
@@ -105,8 +106,9 @@ def lossless_warnings(aggregates: dict, methods: dict, audits: list[dict]) -> li
 
 # --- markdown -----------------------------------------------------------------------------------------------
 
-SUMMARY_COLUMNS = ("method", "lossless", "prompts", "new tokens", "time (s)", "tokens/s", "speedup (total)",
-                   "speedup (geomean)", "τ", "acceptance", "draft share", "identical", "agreement", "ROUGE-L")
+SUMMARY_COLUMNS = ("method", "weights", "lossless", "prompts", "new tokens", "time (s)", "tokens/s",
+                   f"speedup vs {BASELINE} (total)", "speedup (geomean)", "vs autoregressive, same weights", "τ",
+                   "acceptance", "draft share", "identical", "compared with", "agreement", "ROUGE-L")
 # shown only where they say something: the speedup per generated token where lossy methods change the output's
 # length, early exit's mean depth, PPD's candidate hits and compute (layer-rows relative to plain decoding),
 # HumanEval's pass@1 (--execute)
@@ -148,6 +150,11 @@ def run_description(results: dict) -> list[str]:
         f"- command: `{meta['command']}`" if meta.get("command") else "- command: (called from Python)",
         f"- date: {meta['date']}" + (f" (resumed {len(results['resumed'])}×)" if results["resumed"] else ""),
         f"- machine: {machine['cpu']}, {machine['logical_cores']} logical cores, {machine['torch_threads']} torch threads, {machine['system']}",
+        f"- CPU flags: {' '.join(machine['flags']) or 'none of the speed flags'} "
+        f"({'native bf16' if machine.get('native_bf16') else 'no native bf16'})" if "flags" in machine
+        else "- CPU flags: not recorded (run from before flags were recorded)",
+        f"- weights: target {meta.get('weights', meta['dtype'])}" + (f", draft {meta['draft_weights']}" if meta.get("draft_weights") else "")
+        + "; rows with a format of their own say so in the weights column",
         f"- versions: accelgen {versions['accelgen']}, torch {versions['torch']}, transformers {versions['transformers']}, python {machine['python']}",
         f"- dtype: {meta['dtype']}" + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") else ""),
         f"- max_new_tokens {config['max_new_tokens']}, temperature {config['temperature']}, seed {config['seed']}, "
@@ -168,13 +175,14 @@ def option_text(options: dict) -> str:
 
 def warning_line(warning: dict) -> str:
     name, counts = warning["method"], f"{warning['mismatched']} of {warning['compared']} prompts"
+    reference = warning.get("reference", BASELINE)
     if warning["severity"] == "near-tie":
-        return f"- {name}: differs from {BASELINE} on {counts}, every one a numerical near-tie (see the audit)."
-    who = "**LOSSLESS VIOLATION**" if warning["source"] == "accelgen" else "**peer mismatch** (transformers)"
+        return f"- {name}: differs from {reference} on {counts}, every one a numerical near-tie (see the audit)."
+    who = "**LOSSLESS VIOLATION**" if warning["source"] == "accelgen" else f"**peer mismatch** ({warning['source']})"
     parts = [f"errors on {', '.join(warning['errors'])}" if warning["errors"] else "",
              f"near-ties on {', '.join(warning['near_ties'])}" if warning["near_ties"] else "",
              f"not audited: {', '.join(warning['unaudited'])}" if warning["unaudited"] else ""]
-    return f"- {who} {name}: differs from {BASELINE} on {counts}; " + "; ".join(p for p in parts if p) + "."
+    return f"- {who} {name}: differs from {reference} on {counts}; " + "; ".join(p for p in parts if p) + "."
 
 
 def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
@@ -185,14 +193,22 @@ def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
     rows = []
     for name, s in summaries.items():
         identical = f"{s['identical']}/{s['compared']}" if greedy and s["compared"] else "n/a"
-        if greedy and s["compared"] and s["identical"] < s["compared"] and methods[name]["lossless"] in LOSSLESS:
+        if greedy and s["mismatched_prompts"] and methods[name]["lossless"] in LOSSLESS:
             identical = f"**{identical}** ⚠"
-        rows.append([name, methods[name]["lossless"], s["prompts"], s["new_tokens"], num(s["seconds"], 2),
-                     num(s["tokens_per_second"], 2), times(s["speedup_total"]), times(s["speedup_geomean"]),
-                     num(s["tau"], 2), num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical,
-                     percent(s["agreement"]), num(s["rouge_l"], 3)]
+        rows.append([name, s.get("weights") or "n/a", methods[name]["lossless"], s["prompts"], s["new_tokens"],
+                     num(s["seconds"], 2), num(s["tokens_per_second"], 2), times(s["speedup_total"]),
+                     times(s["speedup_geomean"]), times(s.get("format_speedup_total")), num(s["tau"], 2),
+                     num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical,
+                     reference_name(s), percent(s["agreement"]), num(s["rouge_l"], 3)]
                     + [shown.get(key, percent)(s[key]) for key in optional])
     return table(SUMMARY_COLUMNS + tuple(OPTIONAL_COLUMNS[key] for key in optional), rows)
+
+
+def reference_name(summary: dict) -> str:
+    """The row a method's output was compared with (older runs, which recorded none: hf-greedy)."""
+    if summary.get("weights") is None:
+        return BASELINE
+    return summary.get("reference") or "n/a"
 
 
 def audit_section(audits: list[dict]) -> list[str]:
@@ -225,14 +241,22 @@ def legend(greedy: bool) -> list[str]:
     lines = [
         "## How to read this", "",
         f"- speedup: {BASELINE} time / method time on the same prompt; *total* = sum of {BASELINE} times / sum of "
-        "method times, *geomean* = geometric mean of the per-prompt ratios. Methods ran interleaved per prompt.",
+        "method times, *geomean* = geometric mean of the per-prompt ratios. Methods ran interleaved per prompt. "
+        "*vs autoregressive, same weights*: the same against accelgen's `autoregressive` row in the row's weight "
+        "format, where the run has one. weights: bf16/fp32 dense, int8/int4 weight-only quantized, gguf = the GGUF "
+        "file on llama.cpp's kernels (accelgen's rows through its llama.cpp runner, `llamacpp*` rows llama.cpp's own loop).",
         "- τ: new tokens per target forward (HF methods: forwards counted on the target model). "
         "acceptance: accepted / drafted tokens (n/a where the method does not report its drafts). "
         "draft share: time in the drafter / total time.",
     ]
     if greedy:
-        lines.append(f"- identical: prompts whose tokens equal {BASELINE}'s exactly. Each divergence of a lossless "
-                     "method is audited: a *near-tie* is a rounding difference between nearly equal logits, an *error* is not.")
+        lines.append(f"- identical: prompts whose tokens equal those of the row named in *compared with* exactly: "
+                     f"{BASELINE} for rows in its weight format, else the `autoregressive` row of the row's format "
+                     "(llama.cpp's own rows: `llamacpp`), since another format is another model; that plain-decoding "
+                     f"row itself is compared with {BASELINE} for quality only (what the format costs, no lossless "
+                     "check). Each divergence of "
+                     "a lossless method is audited: a *near-tie* is a rounding difference between nearly equal "
+                     "logits, an *error* is not.")
         lines.append(f"- agreement: share of positions holding {BASELINE}'s token (a missing token counts as a "
                      "difference), averaged over prompts; what a lossy method gives up for its speed. ROUGE-L: "
                      f"F1 of the longest common token subsequence with {BASELINE}'s output (forgives shifts).")

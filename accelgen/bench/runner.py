@@ -14,8 +14,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
-import platform
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +22,10 @@ from typing import Callable
 import torch
 
 import accelgen
+from accelgen import hardware
 from accelgen.bench import audit
+from accelgen.bench.llamacpp import LlamaCppPeers
+from accelgen.models.loading import check_weights
 from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
@@ -45,6 +46,8 @@ class BenchConfig:
     draft: str | None = None
     dtype: str | None = None
     draft_dtype: str | None = None
+    weights: str | None = None  # the target's weight format for rows that set none (None: dtype decides)
+    draft_weights: str | None = None
     methods: list[str] | None = None  # None: every method whose needs are met
     limit: int | None = None
     categories: list[str] | None = None
@@ -57,6 +60,8 @@ class BenchConfig:
     warmup: bool = True
 
     def validate(self) -> None:
+        check_weights(self.weights)
+        check_weights(self.draft_weights)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -115,23 +120,21 @@ def run(
         run_info.setdefault("resumed", []).append({"date": now(), "command": command})
     write_json(out_dir / RUN_FILE, run_info)
 
-    # rows with a draft model of their own (variant option draft=PATH); the others take the run's (--draft)
-    own_drafts = {method.draft: accelgen.load_model(method.draft, dtype=config.draft_dtype)[0]
-                  for method in plan.methods if method.draft}
+    models = RowModels(plan, model, draft_model)
     records = read_jsonl(out_dir / RECORDS_FILE)
     done = {(r["prompt_id"], r["method"]) for r in records}
     pending = [(i, m) for i in range(len(plan.prompts)) for m in shuffled(plan.methods, i)
                if (plan.prompts[i].id, m.name) not in done]
     if pending and config.warmup:
         for method in plan.methods:  # untimed: first calls pay for allocation and kernel selection
-            generate(plan, method, model, tokenizer, own_drafts.get(method.draft, draft_model), prompt_ids[0],
-                     WARMUP_TOKENS)
+            generate(plan, method, models, tokenizer, prompt_ids[0], WARMUP_TOKENS)
     for index, method in pending:
         prompt = plan.prompts[index]
-        record = generate(plan, method, model, tokenizer, own_drafts.get(method.draft, draft_model), prompt_ids[index],
-                          config.max_new_tokens, seed=config.seed + index)
+        record = generate(plan, method, models, tokenizer, prompt_ids[index], config.max_new_tokens,
+                          seed=config.seed + index)
         record = {"prompt_id": prompt.id, "prompt_index": index, "category": prompt.category, "method": method.name,
-                  "dataset": config.dataset, "prompt_tokens": len(prompt_ids[index]), **record,
+                  "dataset": config.dataset, "prompt_tokens": len(prompt_ids[index]),
+                  "weights": models.weights_of(method), **references(plan, method, models), **record,
                   "tau": ratio_or_none(record["new_tokens"], record["target_forwards"]),
                   "acceptance_rate": ratio_or_none(record["accepted_draft_tokens"], record["draft_tokens"])}
         append_jsonl(out_dir / RECORDS_FILE, record)
@@ -140,15 +143,85 @@ def run(
             progress(record, records)
 
     if config.temperature == 0:
-        audit_divergences(plan, model, tokenizer, prompt_ids, records, out_dir / AUDITS_FILE)
+        audit_divergences(plan, models, tokenizer, prompt_ids, records, out_dir / AUDITS_FILE)
     if execute:
         execute_completions(records, tokenizer, out_dir / EXECUTIONS_FILE)
     return out_dir
 
 
-def generate(plan: Plan, method: BenchMethod, model, tokenizer, draft_model, prompt_ids, max_new_tokens, seed=0) -> dict:
-    return run_method(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
-                      temperature=plan.config.temperature, seed=seed, options=plan.options[method.name])
+def generate(plan: Plan, method: BenchMethod, models: "RowModels", tokenizer, prompt_ids, max_new_tokens, seed=0) -> dict:
+    return run_method(method, models.target(method), tokenizer, prompt_ids, draft_model=models.draft(method),
+                      max_new_tokens=max_new_tokens, temperature=plan.config.temperature, seed=seed,
+                      options=plan.options[method.name], peers=models.peers)
+
+
+class RowModels:
+    """The models each row runs: the run's target and draft, or copies in a row's own weight format
+    (variant options weights=, draft_weights=) or with a draft of its own (draft=PATH), each loaded once;
+    and llama.cpp's servers for its peer rows."""
+
+    def __init__(self, plan: Plan, model, draft_model):
+        config = plan.config
+        self.config = config
+        self.main_weights = config.weights or model_format(model)
+        self.targets = {self.main_weights: model}
+        self.drafts = {(config.draft, config.draft_weights): draft_model}
+        self.peers = None
+        for method in plan.methods:
+            if method.source == "llamacpp":
+                if self.peers is None:
+                    self.peers = LlamaCppPeers(config.model, config.draft, config.threads)
+                continue
+            weights = self.weights_of(method)
+            if weights not in self.targets:
+                self.targets[weights] = accelgen.load_model(config.model, dtype=config.dtype, weights=weights,
+                                                            threads=config.threads)[0]
+            key = self.draft_key(method)
+            if key[0] is not None and "draft_model" in method.needs and key not in self.drafts:
+                self.drafts[key] = accelgen.load_model(key[0], dtype=config.draft_dtype, weights=key[1],
+                                                       threads=config.threads)[0]
+
+    def weights_of(self, method: BenchMethod) -> str:
+        return method.weights or self.main_weights
+
+    def draft_key(self, method: BenchMethod) -> tuple:
+        return (method.draft or self.config.draft, method.draft_weights or self.config.draft_weights)
+
+    def target(self, method: BenchMethod):
+        if method.source == "hf" and self.weights_of(method) == "gguf":
+            raise ValueError(f"{method.name} runs transformers' generate() and needs a PyTorch model, not weights=gguf")
+        return self.targets.get(self.weights_of(method))
+
+    def draft(self, method: BenchMethod):
+        return self.drafts.get(self.draft_key(method), self.drafts[(self.config.draft, self.config.draft_weights)])
+
+
+def references(plan: Plan, method: BenchMethod, models: RowModels) -> dict:
+    """The rows a record is compared with: `reference` for identical output (hf-greedy in the run's own format;
+    in another format the autoregressive row of that format, or for llama.cpp's rows its plain row) and
+    `speed_reference` for the same-format speedup (the autoregressive row of its format). The plain-decoding
+    rows of other formats are compared with hf-greedy for quality only (`quality_only`): agreement and ROUGE-L
+    say what the format costs, and a difference there is no lossless violation."""
+    names = {m.name: m for m in plan.methods}
+    weights = models.weights_of(method)
+    autoregressive = next((m.name for m in plan.methods if m.registered_name == "autoregressive"
+                           and models.weights_of(m) == weights and m.source == "accelgen"), None)
+    if weights == models.main_weights:
+        reference = BASELINE
+    elif method.name in (autoregressive, "llamacpp"):
+        # another format is another model: its plain decoding against hf-greedy measures the format's quality cost
+        return {"reference": BASELINE, "speed_reference": autoregressive, "quality_only": True}
+    elif method.source == "llamacpp":
+        reference = "llamacpp" if "llamacpp" in names else None
+    else:
+        reference = autoregressive
+    return {"reference": reference, "speed_reference": autoregressive}
+
+
+def model_format(model) -> str:
+    from accelgen.costs import model_format as format_of
+
+    return format_of(model)
 
 
 def execute_completions(records: list[dict], tokenizer, path: Path) -> None:
@@ -199,21 +272,29 @@ def open_run(out_dir: Path, identity: dict, overwrite: bool) -> dict | None:
     return saved
 
 
-def audit_divergences(plan: Plan, model, tokenizer, prompt_ids: list[list[int]], records: list[dict], path: Path) -> list[dict]:
-    """Audit every divergence from the baseline of a method that claims greedy-lossless output; cached in path."""
+def audit_divergences(plan: Plan, models: RowModels, tokenizer, prompt_ids: list[list[int]], records: list[dict],
+                      path: Path) -> list[dict]:
+    """Audit every divergence of a method that claims greedy-lossless output from its reference row (hf-greedy,
+    or the autoregressive row of its weight format), with that format's model; cached in path."""
     audits = read_jsonl(path)
     audited = {(a["prompt_id"], a["method"]) for a in audits}
-    lossless = {m.name for m in plan.methods if m.claims_lossless and m.name != BASELINE}
+    methods = {m.name: m for m in plan.methods}
+    lossless = {name for name, m in methods.items() if m.claims_lossless and name != BASELINE}
     index_of = {p.id: i for i, p in enumerate(plan.prompts)}
-    baseline = {r["prompt_id"]: r for r in records if r["method"] == BASELINE}
     for record in compare_with_baseline(records, greedy=True):
         key = (record["prompt_id"], record["method"])
-        if record["identical"] is not False or record["method"] not in lossless or key in audited:
+        if (record["identical"] is not False or record["method"] not in lossless or key in audited
+                or record.get("quality_only")):
             continue
+        reference = next(r for r in records if r["prompt_id"] == record["prompt_id"]
+                         and r["method"] == record.get("reference", BASELINE))
+        model = models.targets.get(models.weights_of(methods[record["method"]]))
+        if model is None:
+            continue  # no model of this format in the run to recompute the logits with (llama.cpp rows alone)
         index = index_of[record["prompt_id"]]
-        divergence = audit.audit(model, prompt_ids[index], baseline[record["prompt_id"]]["token_ids"], record["token_ids"])
+        divergence = audit.audit(model, prompt_ids[index], reference["token_ids"], record["token_ids"])
         entry = {"prompt_id": record["prompt_id"], "method": record["method"], "category": record["category"],
-                 **divergence.to_dict(), "dtype": audit.dtype_name(model.dtype),
+                 "reference": reference["method"], **divergence.to_dict(), "dtype": audit.dtype_label(model),
                  "baseline_text": token_text(tokenizer, divergence.baseline_token),
                  "method_text": token_text(tokenizer, divergence.method_token)}
         append_jsonl(path, entry)
@@ -239,26 +320,13 @@ def describe_run(command: str | None, model, draft_model) -> dict:
     return {
         "command": command,
         "date": now(),
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "system": f"{platform.system()} {platform.machine()}",
-            "python": platform.python_version(),
-        },
+        "machine": hardware.describe(),
         "versions": {"accelgen": accelgen.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "dtype": audit.dtype_name(model.dtype),
         "draft_dtype": audit.dtype_name(draft_model.dtype) if draft_model is not None else None,
+        "weights": model_format(model),
+        "draft_weights": model_format(draft_model) if draft_model is not None else None,
     }
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or "unknown"
 
 
 def now() -> str:

@@ -82,3 +82,25 @@ def test_early_exit_depth_and_test_outcomes_are_averaged_where_known():
                {**record("p3", "exit", 1.0), "mean_layers": None, "passed": None}]
     summary = metrics.summarize(metrics.compare_with_baseline(records, greedy=True))
     assert summary["mean_layers"] == 22.0 and summary["pass_at_1"] == 0.5
+
+
+def test_rows_in_another_weight_format_compare_with_that_formats_autoregressive_row():
+    """A quantized row's output is compared with the autoregressive row of its format, not with hf-greedy (another
+    model); its speed with hf-greedy and, in the same format, with that autoregressive row."""
+    records = [record("p1", "hf-greedy", 4.0, tokens=(1, 2, 3), weights="bf16", reference="hf-greedy"),
+               record("p1", "autoregressive@weights=int8", 2.0, tokens=(1, 9, 9), weights="int8",
+                      reference="hf-greedy", speed_reference="autoregressive@weights=int8"),
+               record("p1", "pld@weights=int8", 1.0, tokens=(1, 9, 9), weights="int8",
+                      reference="autoregressive@weights=int8", speed_reference="autoregressive@weights=int8"),
+               record("p1", "llamacpp-ngram", 0.5, tokens=(1, 9, 8), weights="gguf", reference="llamacpp"),
+               record("p1", "llamacpp", 0.8, tokens=(1, 9, 8), weights="gguf", reference="llamacpp")]
+    compared = {r["method"]: r for r in metrics.compare_with_baseline(records, greedy=True)}
+    pld = compared["pld@weights=int8"]
+    assert pld["identical"] is True and pld["speedup"] == 4.0 and pld["format_speedup"] == 2.0
+    assert compared["llamacpp-ngram"]["identical"] is True and compared["llamacpp-ngram"]["format_speedup"] is None
+    summary = metrics.aggregate(list(compared.values()), list(compared))["overall"]
+    assert summary["pld@weights=int8"]["format_speedup_total"] == 2.0
+    assert summary["pld@weights=int8"]["weights"] == "int8"
+    assert summary["llamacpp"]["tokens_per_second"] == pytest.approx(3 / 0.8)
+    old = [record("p1", "hf-greedy", 2.0), record("p1", "pld", 1.0)]  # recorded before formats: vs hf-greedy
+    assert metrics.compare_with_baseline(old, greedy=True)[1]["identical"] is True

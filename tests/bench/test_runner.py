@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 from typer.testing import CliRunner
 
+import accelgen
 import accelgen.registry
 from accelgen.bench import methods, report, runner
 from accelgen.bench.runner import BenchConfig
@@ -299,3 +301,73 @@ def test_bench_report_rerenders_saved_results(tmp_path, prompts_file, tiny_targe
     assert all((out_dir / name).exists() for name in ("results.json", "report.md", "speedup.png", "tau.png"))
     missing = CliRunner().invoke(app, ["bench-report", str(tmp_path / "nothing-here")])
     assert missing.exit_code == 2 and "not a benchmark folder" in missing.output
+
+
+def test_weight_format_variants_and_llamacpp_rows_are_parsed():
+    chosen, _ = methods.resolve_methods(["autoregressive@weights=int8", "speculative@weights=gguf+draft_weights=int4",
+                                         "pld@draft_budget=measured", "llamacpp", "llamacpp-draft"],
+                                        {"draft_model"}, 0)
+    by_name = {m.name: m for m in chosen}
+    assert by_name["autoregressive@weights=int8"].weights == "int8"
+    assert (by_name["speculative@weights=gguf+draft_weights=int4"].weights,
+            by_name["speculative@weights=gguf+draft_weights=int4"].draft_weights) == ("gguf", "int4")
+    assert by_name["pld@draft_budget=measured"].check_options({})["draft_budget"] == "measured"
+    assert by_name["llamacpp"].source == "llamacpp" and by_name["llamacpp"].weights == "gguf"
+    with pytest.raises(ValueError, match="unknown weights format"):
+        methods.resolve_methods(["pld@weights=int3"], set(), 0)
+    with pytest.raises(ValueError, match="its own weight format"):
+        methods.resolve_methods(["llamacpp@weights=int8"], set(), 0)
+    with pytest.raises(ValueError, match="needs draft_model"):
+        methods.resolve_methods(["llamacpp-draft"], set(), 0)
+
+
+def test_rows_in_their_own_format_are_checked_against_that_formats_autoregressive(tmp_path, prompts_file, tiny_target,
+                                                                                tokenizer, monkeypatch):
+    """weights=int8 rows run a quantized copy of the target and are compared with autoregressive@weights=int8."""
+    from accelgen.models.formats import quantize
+
+    def load_quantized(name, dtype=None, weights=None, threads=None):
+        model = copy.deepcopy(tiny_target)
+        quantize(model, weights)
+        return model, tokenizer
+
+    monkeypatch.setattr(runner.accelgen, "load_model", load_quantized)
+    results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_target,
+                             methods=["autoregressive", "autoregressive@weights=int8", "speculative@weights=int8"])
+    overall = results["aggregates"]["overall"]
+    assert overall["speculative@weights=int8"]["weights"] == "int8"
+    assert overall["speculative@weights=int8"]["reference"] == "autoregressive@weights=int8"
+    assert overall["speculative@weights=int8"]["identical"] == 2
+    assert overall["speculative@weights=int8"]["format_speedup_total"] is not None
+    report_text = (out_dir / "report.md").read_text()
+    assert "CPU flags" in report_text and "vs autoregressive, same weights" in report_text
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("xllamacpp"),
+                    reason="llama.cpp rows need `pip install 'accelgen[llamacpp]'`")
+def test_llamacpp_peers_run_the_same_prompt_tokens_greedily(tokenizer):
+    from accelgen.bench.llamacpp import LlamaCppPeers
+    from accelgen.generate import encode_prompt
+    from accelgen.models.llamacpp import load_llamacpp
+
+    prompt_ids = encode_prompt(tokenizer, [{"role": "user", "content": "Name three colours."}])
+    peers = LlamaCppPeers("smollm2-135m", "smollm2-135m", threads=2)
+    plain = peers.run("llamacpp", prompt_ids, 12)
+    assert plain["new_tokens"] == len(plain["token_ids"]) <= 12 and plain["seconds"] > 0
+    assert peers.run("llamacpp", prompt_ids, 12)["token_ids"] == plain["token_ids"]  # greedy: deterministic
+    # the same tokens accelgen's llama.cpp runner decodes from the same file and prompt ids
+    model, gguf_tokenizer = load_llamacpp("smollm2-135m", threads=2)
+    ours = accelgen.generate(model, gguf_tokenizer, prompt_ids, max_new_tokens=12)
+    assert ours.token_ids == plain["token_ids"]
+    drafted = peers.run("llamacpp-draft", prompt_ids, 12)  # the model drafting for itself
+    assert drafted["token_ids"] == plain["token_ids"] and drafted["accepted_draft_tokens"] > 0
+    assert peers.run("llamacpp-ngram", prompt_ids, 12)["token_ids"] == plain["token_ids"]
+    eos = peers.run("llamacpp", encode_prompt(tokenizer, [{"role": "user", "content": "Say only: yes"}]), 64)
+    assert eos["finish_reason"] == "stop" and eos["new_tokens"] < 64
+
+
+def test_llamacpp_rows_need_a_gguf_file():
+    from accelgen.bench.llamacpp import make_server
+
+    with pytest.raises(ValueError, match="GGUF"):
+        make_server("llamacpp", "some/hf-folder", None, threads=2)
