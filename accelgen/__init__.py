@@ -2,6 +2,7 @@
 
 from accelgen.generate import Chunk, GenerationResult, GenerationStream, generate
 from accelgen.models import EMBEDDED_MODELS, load_model
+from accelgen.models.probe import choose_weights
 from accelgen.registry import MethodSpec, get_method, list_methods, register
 
 __version__ = "0.1.0"
@@ -11,6 +12,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStream",
     "MethodSpec",
+    "choose_weights",
     "generate",
     "get_method",
     "list_methods",

@@ -8,9 +8,23 @@ Caches whose layers cannot be rolled back this way (sliding windows, linear-atte
 
 from __future__ import annotations
 
+import inspect
+from functools import lru_cache
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The keyword a model, decoder layer or attention module takes its KV cache by: `cache` in newer
+    transformers releases, `past_key_values` before (still accepted there, with a deprecation warning)."""
+    return _cache_keyword(type(module))
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(module_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
 
 
 def new_cache(config) -> DynamicCache:

@@ -161,10 +161,10 @@ def models(
     prepare: list[str] = typer.Option([], "--prepare", help="Assemble and convert an embedded model into the cache now."),
 ):
     """List the embedded default models: installed or not, converted into the cache or not."""
-    from accelgen.hardware import flags_text
+    from accelgen.hardware import describe, flags_text
     from accelgen.models import EMBEDDED_MODELS, cache_dir, is_cached
     from accelgen.models.loading import prepare_embedded
-    from accelgen.models.probe import cached_choice
+    from accelgen.models.probe import probe_report
 
     for name in install + prepare:
         if name not in EMBEDDED_MODELS:
@@ -182,11 +182,10 @@ def models(
                       model.description, f"accelgen models --install {model.name}")
     table_console().print(table)
     for model in EMBEDDED_MODELS.values():
-        choice = cached_choice(model.name)
-        if choice is not None:
-            table_console().print(f"{model.name}: weights=auto picks {choice['weights']} on this machine "
-                                  f"({flags_text(choice['machine'])}): {choice['reason']}")
-    table_console().print("weights=auto measures each format once per machine and model (--weights auto on any command)")
+        if (report := probe_report(model.name)) is not None:
+            table_console().print(report)
+    table_console().print(f"this machine: {flags_text(describe())}; weights=auto measures each format once per "
+                          "machine and model (--weights auto on any command)")
     table_console().print(f"cache folder: {cache_dir()} (set ACCELGEN_CACHE to move it)")
 
 
@@ -236,22 +235,40 @@ def profile(
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
-    context_tokens: int = typer.Option(256, "--context-tokens", help="KV-cache length the forwards run after."),
-    sizes: str = typer.Option("1,2,4,8,16,32", help="Block sizes k to time, comma-separated."),
+    context_tokens: Optional[int] = typer.Option(None, "--context-tokens", help="A one-off profile (not cached): "
+                                                 "the KV-cache length the forwards run after (default 256)."),
+    sizes: Optional[str] = typer.Option(None, help="A one-off profile (not cached): block sizes k to time, "
+                                                   "comma-separated (default 1,2,4,8,16,32)."),
     alphas: str = typer.Option("0.5,0.6,0.7,0.8,0.9", help="Acceptance rates to predict speedups for."),
-    repeats: int = typer.Option(5, help="Timed forwards per size (median)."),
+    repeats: Optional[int] = typer.Option(None, help="A one-off profile (not cached): timed forwards per size "
+                                                     "(median; default 5)."),
     batch_sizes: str = typer.Option("", "--batch-sizes", help="Also time batched forwards for these batch sizes "
                                                              "(the server's verification), e.g. 1,2,4,8."),
+    remeasure: bool = typer.Option(False, "--remeasure", help="Measure the cached costs again (after a change "
+                                                              "to the machine, its load or the libraries)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Measure forward costs: verification cost r(k), the draft's cost ratio c, and the predicted best γ."""
+    """Forward costs: verification cost r(k), the draft's cost ratio c, and the predicted best γ.
+
+    Without --sizes, --context-tokens or --repeats: the costs the policies use (gamma_schedule=cost, sizes
+    "auto", auto, the server), measured once per model, weight format and machine and cached; --remeasure
+    measures them again. With any of those: a one-off profile with those settings, not cached."""
     import torch
 
+    from accelgen.costs import cached_profile, model_format
+    from accelgen.models.probe import cached_choice, probe_report
     from accelgen.profile import batch_table, profile as measure, speedup_table
 
     if threads:
         torch.set_num_threads(threads)
+    one_off = sizes is not None or context_tokens is not None or repeats is not None
+    if one_off and remeasure:
+        raise typer.BadParameter("--remeasure measures the cached costs again; --sizes, --context-tokens and "
+                                 "--repeats make a one-off profile instead: give one or the other")
+    sizes = "1,2,4,8,16,32" if sizes is None else sizes
+    context_tokens = 256 if context_tokens is None else context_tokens
+    repeats = 5 if repeats is None else repeats
     try:
         block_sizes = [int(size) for size in sizes.split(",")]
         acceptance = [float(alpha) for alpha in alphas.split(",")]
@@ -262,29 +279,41 @@ def profile(
         raise typer.BadParameter("sizes and --context-tokens must be >= 1, acceptance rates within [0, 1]")
     target_model, _ = load_with_progress(model, dtype, weights)
     draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
-    with console.status("profiling …") as status:
-        result = measure(target_model, draft_model, context_tokens=context_tokens, sizes=block_sizes,
-                         repeats=repeats, batch_sizes=batches,
-                         progress=lambda message: status.update(f"profiling: {message} …"))
+    if one_off:
+        with console.status("profiling …") as status:
+            result = measure(target_model, draft_model, context_tokens=context_tokens, sizes=block_sizes,
+                             repeats=repeats, batch_sizes=batches,
+                             progress=lambda message: status.update(f"profiling: {message} …"))
+    else:  # progress of a measurement goes to stderr
+        result = cached_profile(target_model, draft_model, batches, threads=threads, remeasure=remeasure)
+    result["model_free_predictions"] = speedup_table({**result, "cost_ratio": 0.0}, acceptance)
     if draft_model is not None:
         result["predictions"] = speedup_table(result, acceptance)
     if batches:
         result["batch_predictions"] = {alpha: batch_table(result, alpha) for alpha in acceptance}
+    result["weights"] = model_format(target_model)
     if as_json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps({**result, "weights_auto": cached_choice(model, threads)}, indent=1))
         return
     out = table_console()
+    if (report := probe_report(model, threads)) is not None:
+        out.print(report)
     table = Table("k (tokens per forward)", "target forward (ms)", "r(k) = t(k) / t(1)")
     for k, seconds in result["target_seconds"].items():
         table.add_row(str(k), f"{seconds * 1000:.1f}", f"{result['verify_ratio'][k]:.2f}")
-    out.print(f"{model}: one forward over k tokens after {context_tokens} cached tokens")
+    out.print(f"{model} ({result['weights']}): one forward over k tokens after {result['context_tokens']} cached tokens"
+              + (f" (cached in {result['cache']}; --remeasure to measure again)" if "cache" in result else ""))
     out.print(table)
+    predictions = [("model-free drafts (c = 0)", result["model_free_predictions"])]
     if draft_model is not None:
         out.print(f"{draft}: {result['draft_seconds'] * 1000:.1f} ms per token, c = {result['cost_ratio']:.3f}")
-        table = Table("α", "best γ", "predicted speedup E / (γc + r(γ+1))")
-        for row in result["predictions"]:
+        predictions.append((f"{draft} drafting (c = {result['cost_ratio']:.3f})", result["predictions"]))
+    for what, rows in predictions:
+        table = Table("α", f"best γ, {what}", "predicted speedup E / (γc + r(γ+1))")
+        for row in rows:
             table.add_row(f"{row['alpha']:.2f}", str(row["best_gamma"]), f"{row['predicted_speedup']:.2f}×")
         out.print(table)
+    out.print("γ = 0: plain decoding (no draft length pays)")
     if batches:
         table = Table("batch b", *[f"k={k}: t (ms), r" for k in result["batch_seconds"][batches[0]]])
         for batch, seconds in result["batch_seconds"].items():

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from accelgen.costs import DraftBudget, verify_ratios
+from accelgen.costs import budgeted
 from accelgen.draft import Draft, tree_attention
 from accelgen.models.batch import forward_alone
 from accelgen.models.runner import ModelRunner, runner_for
@@ -29,6 +29,7 @@ from accelgen.verify import verify_greedy, verify_speculative_sampling
 
 # "method": drafts as long as the method's options say; "measured": capped each step at the length the measured
 # costs (accelgen/costs.py) predict fastest, down to none, so that speculation never loses to plain decoding
+# (drafters that already follow the measured costs, e.g. gamma_schedule="cost" or max_nodes="auto", keep theirs)
 DRAFT_BUDGETS = ("method", "measured")
 
 
@@ -159,12 +160,8 @@ class Sequence:
     sequences by the server), then `commit` (verify, roll the cache back to the accepted path, emit tokens).
     """
 
-    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator,
-                 budget: DraftBudget | None = None):
+    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator):
         self.target = target
-        self.budget = budget  # caps drafts by measured costs (draft_budget="measured"), else None
-        self._draft_seconds = 0.0  # this step's drafting, and when its target forward started (for the budget)
-        self._planned_at = 0.0
         self.drafter = drafter
         self.verify = verify
         self.output = output
@@ -179,7 +176,7 @@ class Sequence:
               seed: int | None = None, stop: list[str] | str | None = None, **method_options) -> "Sequence":
         """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input."""
         spec = get_method(method)
-        draft_budget = method_options.pop("draft_budget", "measured" if spec.name == "auto" else "method")
+        draft_budget = method_options.pop("draft_budget", "method")
         if draft_budget not in DRAFT_BUDGETS:
             raise ValueError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
         options = spec.check_options(method_options)
@@ -205,13 +202,14 @@ class Sequence:
         verify = make_verifier(sampling, **options)
         drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
                                     generator=generator, **options)
+        if draft_budget == "measured" and getattr(drafter, "draft_budget", None) is None:
+            drafter = budgeted(drafter, model, draft_model if "draft_model" in spec.needs else None)
         attach = getattr(drafter, "attach", None)  # drafters that read the target's KV cache (`triforce`)
         if attach is not None:
             attach(target)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
-        budget = DraftBudget(verify_ratios(model)) if draft_budget == "measured" else None
-        return cls(target, drafter, verify, prompt_ids, output, generator, budget)
+        return cls(target, drafter, verify, prompt_ids, output, generator)
 
     @property
     def done(self) -> bool:
@@ -242,8 +240,6 @@ class Sequence:
         room = min(self.output.max_new_tokens - len(self.output.token_ids), self.target.max_positions - len(self.context)) - 1
         if max_draft is not None:
             room = min(room, max_draft)
-        if self.budget is not None:
-            room = min(room, self.budget.limit())
         started = time.perf_counter()
         draft = Draft.empty()
         if room > 0:
@@ -253,9 +249,7 @@ class Sequence:
             else:
                 draft = self.drafter.propose(self.context, room)
             draft = draft.truncated(room)
-        self._draft_seconds = time.perf_counter() - started
-        self.stats.draft_seconds += self._draft_seconds
-        self._planned_at = time.perf_counter()
+        self.stats.draft_seconds += time.perf_counter() - started
         uncached = self.context[self.target.length :]  # a drafter that runs the target itself (PaSS) may cache some
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
         return Step(torch.cat([uncached, draft.tokens]), draft, tree, logits_for_last=len(draft) + 1)
@@ -266,16 +260,11 @@ class Sequence:
         if step.prefill_only:
             return Chunk([], "")
         draft = step.draft
-        if self.budget is not None:
-            forward_seconds = time.perf_counter() - self._planned_at
         verdict = self.verify(draft, target_logits, self.generator)
         prefix = len(self.context) - 1  # cache positions before the root
         self.target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
         self.drafter.update(draft, verdict, target_logits)
         self.stats.record(draft, len(verdict.accepted))
-        if self.budget is not None:  # a step that also read prompt tokens says nothing about the costs
-            prefilled = len(step.input_ids) > len(draft) + 1
-            self.budget.observe(len(draft), len(verdict.accepted), self._draft_seconds, 0.0 if prefilled else forward_seconds)
         committed = []
         for token in verdict.new_tokens(draft):
             committed.append(token)

@@ -2,8 +2,10 @@
 
 Decoding Speculative Decoding (Yan et al. 2024) predicts a drafter's speedup from three numbers: the
 acceptance α, the draft's cost c (one draft forward over one target forward) and the verification cost
-r(k) (one target forward over k tokens over a forward over one token). On a CPU at batch size 1 a forward
-is bound by reading the weights, so r(k) stays near 1 for small k; `accelgen profile` measures how far.
+r(k) (one target forward over k tokens over a forward over one token). Where a forward is bound by reading
+the weights, r(k) stays near 1 for small k (r(8) ≈ 1.15 on a CPU with native bf16 matrix instructions); where
+it is bound by arithmetic it grows almost as k (r(8) ≈ 6 on an AVX2-only CPU). `accelgen profile` measures
+how far; accelgen/costs.py measures the costs the policies use once per machine and caches them.
 """
 
 from __future__ import annotations
@@ -31,15 +33,18 @@ def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: 
     return batch_forward_seconds(model, prompt_ids, 1, [new_tokens], repeats)[new_tokens]
 
 
-def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5) -> dict[int, float]:
+def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5,
+                          progress: Callable[[int], None] = lambda k: None) -> dict[int, float]:
     """Per k in sizes: median time of one forward of `batch` sequences, k tokens each after a KV cache of
-    prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up)."""
+    prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up).
+    progress(k) is called before each size."""
     runners = [runner_for(model) for _ in range(batch)]
     for runner in runners:
         runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
     prefix = runners[0].length
     seconds = {}
     for k in sizes:
+        progress(k)
         block = torch.tensor((prompt_ids * k)[:k])  # token values do not change the cost
         times = []
         for _ in range(repeats + 1):
@@ -97,16 +102,14 @@ def batch_table(result: dict, alpha: float, max_gamma: int = 16) -> list[dict]:
     rows = []
     for batch, seconds in result["batch_seconds"].items():
         ratio = {k: t / seconds[1] for k, t in seconds.items()}
-        best = best_gamma(alpha, 0.0, max_gamma, lambda tokens: interpolate(ratio, tokens))
+        best = best_gamma(alpha, 0.0, max_gamma, lambda tokens: interpolate(ratio, tokens))  # 0: do not speculate
         gain = predicted_speedup(alpha, best, 0.0, interpolate(ratio, best + 1))
-        if gain <= 1.0:  # verification is no longer nearly free: do not speculate
-            best, gain = 0, 1.0
         rows.append({"batch": batch, "best_gamma": best, "predicted_gain": gain, "token_budget": batch * (best + 1)})
     return rows
 
 
 def speedup_table(result: dict, alphas, max_gamma: int = 16) -> list[dict]:
-    """Per α: the γ with the best predicted speedup E / (γc + r(γ+1)), and that speedup."""
+    """Per α: the γ with the best predicted speedup E / (γc + r(γ+1)) (0: plain decoding), and that speedup."""
     cost, ratio = result["cost_ratio"], lambda tokens: interpolate(result["verify_ratio"], tokens)
     rows = []
     for alpha in alphas:

@@ -28,12 +28,17 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float, verify_ratio:
 
 
 def best_gamma(alpha: float, cost_ratio: float, max_gamma: int,
-               verify_ratio: Callable[[int], float] = lambda tokens: 1.0) -> int:
-    """The γ in 1..max_gamma with the highest predicted speedup (the smallest such γ on ties).
+               verify_ratio: Callable[[int], float] = lambda tokens: 1.0, min_gain: float = 1.0) -> int:
+    """The γ in 0..max_gamma with the highest predicted speedup (the smallest such γ on ties).
 
-    verify_ratio(k): r for a verification forward over k tokens (default: 1, Leviathan et al.'s assumption)."""
-    return max(range(1, max_gamma + 1),
-               key=lambda gamma: (predicted_speedup(alpha, gamma, cost_ratio, verify_ratio(gamma + 1)), -gamma))
+    γ = 0 is plain decoding, a speedup of 1 by definition: it is chosen unless some γ is predicted more than
+    min_gain times faster (min_gain > 1 leaves a margin for noisy timings). verify_ratio(k): r for a
+    verification forward over k tokens (default: 1, Leviathan et al.'s assumption)."""
+    def speedup(gamma: int) -> float:
+        return predicted_speedup(alpha, gamma, cost_ratio, verify_ratio(gamma + 1))
+
+    best = max(range(1, max_gamma + 1), key=lambda gamma: (speedup(gamma), -gamma), default=0)
+    return best if best and speedup(best) > min_gain else 0
 
 
 @dataclass
@@ -53,6 +58,12 @@ class AcceptanceEstimate:
     @property
     def alpha(self) -> float:
         return (self.accepted + 1) / (self.accepted + self.rejections + 2)
+
+    @classmethod
+    def starting_at(cls, alpha: float, weight: float = 2.0) -> "AcceptanceEstimate":
+        """An estimate whose α is `alpha` before any step, worth `weight` observed steps (a prior)."""
+        accepted = min(max(alpha * (weight + 2) - 1, 0.0), weight)
+        return cls(accepted, weight - accepted)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.accepted = self.DECAY * self.accepted + accepted

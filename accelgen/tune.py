@@ -110,9 +110,13 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
     plain = measured[0][0]  # candidates()[0] is autoregressive
     table = [{"method": method, "options": method_options, "seconds_per_token": measured[i][0], "tau": measured[i][1],
               "speedup": plain / measured[i][0]} for i, (method, method_options) in enumerate(options)]
-    best = max(table, key=lambda row: row["speedup"])
+    best = max(table, key=lambda row: row["speedup"])  # autoregressive (first, 1.0×) unless another beats it
     reason = (f"fastest of {len(table)} candidates on {len(prompts)} calibration prompts: {best['speedup']:.2f}× "
               f"autoregressive, τ {best['tau']:.2f}")
+    if best is table[0]:
+        runner_up = max(table[1:], key=lambda row: row["speedup"], default=None)
+        reason = (f"no candidate beat plain decoding on {len(prompts)} calibration prompts"
+                  + (f" (the fastest, {runner_up['method']}, ran at {runner_up['speedup']:.2f}×)" if runner_up else ""))
     return {"method": best["method"], "options": best["options"], "reason": reason, "table": table,
             "prompts": len(prompts), "max_new_tokens": max_new_tokens}
 

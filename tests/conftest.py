@@ -24,6 +24,44 @@ def tiny_model(kind: str = "qwen2", seed: int = 0, vocab_size: int = 49152, laye
     return model.eval()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def fake_costs(tmp_path_factory):
+    """Forward costs (accelgen/costs.py) kept in a folder of this session and timed by a fake: r(k) = 1, every
+    model as fast as any other. So the draft lengths the costs decide never depend on this machine's timings or
+    what it cached; tests of the policies set tables of their own (tests/test_costs.py)."""
+    from accelgen import costs
+
+    folder = tmp_path_factory.mktemp("costs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costs, "costs_folder", lambda: folder)
+        patch.setattr(costs, "time_forwards", lambda model, batch, sizes: {k: 0.01 * batch for k in sizes})
+        yield
+
+
+@pytest.fixture
+def measured_costs(monkeypatch, tmp_path):
+    """measured_costs({model: (seconds of a one-token forward, {k: r(k)})}): the forward costs every policy reads,
+    as if measured so on this machine (other models: 10 ms, r(k) = 1; batches of b: b times as long), in a
+    cache of this test. Models are told apart by name and shape (costs.model_key), not weight format. Returns the list of (model, batch, sizes) the fake timer was asked for."""
+    from accelgen import costs
+    from accelgen.profile import interpolate
+
+    def use(tables: dict) -> list:
+        measured = []
+        by_key = {costs.model_key(model): table for model, table in tables.items()}  # also a model loaded again
+
+        def timer(model, batch, sizes):
+            measured.append((model, batch, list(sizes)))
+            one_token, ratios = by_key.get(costs.model_key(model), (0.01, {1: 1.0}))
+            return {k: batch * one_token * interpolate(ratios, k) for k in sizes}
+
+        monkeypatch.setattr(costs, "costs_folder", lambda: tmp_path / "costs")
+        monkeypatch.setattr(costs, "time_forwards", timer)
+        return measured
+
+    return use
+
+
 @pytest.fixture(scope="session")
 def make_tiny_model():
     """The tiny_model factory, for tests that need other shapes (import-mode=importlib: no `from conftest import`)."""

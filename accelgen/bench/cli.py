@@ -87,6 +87,7 @@ def register(app: typer.Typer) -> None:
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Target model: embedded name, HF id, local folder or .gguf file."),
     dataset: str = typer.Option(..., "--dataset", help="humaneval, humaneval-long (about 2k-token contexts), sharegpt, "
+                                                        "specbench (the project's 13-category chat questions), "
                                                         "specbench:<question.jsonl> or jsonl:<file>."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model, for methods that need one."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated methods (default: all whose needs are met)."),
@@ -161,18 +162,20 @@ def bench_report(folder: Path = typer.Argument(..., help="A results folder writt
 
 
 def print_summary(results: dict, out_dir: Path) -> None:
-    from accelgen.bench.report import REPORT_FILE
+    from accelgen.bench.report import REPORT_FILE, weights_cell
 
     overall = results["aggregates"].get("overall", {})
     greedy = results["config"]["temperature"] == 0
-    table = Table("method", "speedup (total)", "speedup (geomean)", "tokens/s", "τ", "identical")
+    table = Table("method", "weights", "tokens/s", "speedup (total)", "speedup (geomean)", "vs autoregressive, same weights",
+                  "τ", "identical")
     for name, s in overall.items():
-        table.add_row(name, fmt(s["speedup_total"], "×"), fmt(s["speedup_geomean"], "×"), fmt(s["tokens_per_second"]),
-                      fmt(s["tau"]), f"{s['identical']}/{s['compared']}" if greedy else "n/a")
+        table.add_row(name, weights_cell(s), fmt(s["tokens_per_second"]), fmt(s["speedup_total"], "×"),
+                      fmt(s["speedup_geomean"], "×"), fmt(s.get("format_speedup_total"), "×"), fmt(s["tau"]),
+                      f"{s['identical']}/{s['compared']}" if greedy else "n/a")
     Console().print(table)
     for warning in results["warnings"]:
         style = "yellow" if warning["severity"] == "near-tie" else "bold red"
-        console.print(f"[{style}]{warning['method']} differs from hf-greedy on {warning['mismatched']} of "
+        console.print(f"[{style}]{warning['method']} differs from {warning.get('reference', 'hf-greedy')} on {warning['mismatched']} of "
                       f"{warning['compared']} prompts ({len(warning['errors'])} errors, {len(warning['near_ties'])} "
                       f"near-ties, {len(warning['unaudited'])} not audited)[/{style}]")
     console.print(f"report: {Path(out_dir) / REPORT_FILE}")

@@ -1,7 +1,7 @@
 """Benchmark prompts: HumanEval, ShareGPT, Spec-Bench question files and plain JSONL files.
 
-A dataset is named by a spec string: `humaneval`, `humaneval-long`, `sharegpt`, `specbench:<file>` or
-`jsonl:<file>`. Every
+A dataset is named by a spec string: `humaneval`, `humaneval-long`, `sharegpt`, `specbench` (the project's own
+Spec-Bench-format questions, benchmarks/specbench/question.jsonl), `specbench:<file>` or `jsonl:<file>`. Every
 loader returns prompts in a deterministic order; `--limit` then takes them round-robin across categories, so a
 small limit on Spec-Bench still covers every category.
 """
@@ -19,7 +19,9 @@ from typing import Iterator
 
 from accelgen.generate import encode_prompt
 
-DATASETS = ("humaneval", "humaneval-long", "sharegpt", "specbench:<file>", "jsonl:<file>")
+DATASETS = ("humaneval", "humaneval-long", "sharegpt", "specbench", "specbench:<file>", "jsonl:<file>")
+# `specbench` without a file: chat questions in Spec-Bench's format and 13 categories, written for this project
+SPECBENCH_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "specbench" / "question.jsonl"
 PROMPT_FORMATS = ("auto", "chat", "raw")
 
 # humaneval-long: context before each task, in characters (about 2,300 tokens of Python for Qwen's tokenizer)
@@ -49,8 +51,8 @@ def load_dataset(spec: str, limit: int | None = None, categories: list[str] | No
     elif name == "sharegpt" and not argument:
         # streaming: read only as far as needed, unless a category filter could drop what was read
         prompts = load_sharegpt(sharegpt_file(), limit=None if categories else limit)
-    elif name == "specbench" and argument:
-        prompts = load_specbench(Path(argument))
+    elif name == "specbench":
+        prompts = load_specbench(Path(argument) if argument else default_specbench_file())
     elif name == "jsonl" and argument:
         prompts = load_jsonl(Path(argument))
     else:
@@ -137,6 +139,13 @@ def load_sharegpt(path: Path, limit: int | None = None) -> list[Prompt]:
 def sharegpt_sampled(conversation_id: str) -> bool:
     digest = hashlib.sha1(conversation_id.encode("utf-8")).digest()
     return int.from_bytes(digest[:4], "big") % SHAREGPT_SAMPLE_EVERY == 0
+
+
+def default_specbench_file() -> Path:
+    if not SPECBENCH_FILE.is_file():
+        raise FileNotFoundError(f"the project's Spec-Bench questions ({SPECBENCH_FILE}) come with a checkout of the "
+                                "repository, not with an installed package: pass specbench:<question.jsonl>")
+    return SPECBENCH_FILE
 
 
 def load_specbench(path: Path) -> list[Prompt]:

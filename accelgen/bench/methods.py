@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 import accelgen
+from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
 from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
 from accelgen.bench.llamacpp import LlamaCppPeers
+from accelgen.bench.records import generation_record
 from accelgen.generate import eos_token_ids
 from accelgen.models.loading import check_weights
 from accelgen.registry import merge_options, parse_option_value
@@ -88,7 +90,8 @@ HF_METHODS = {
 # llama.cpp's own loop on the same GGUF files (accelgen/bench/llamacpp.py)
 LLAMACPP_METHODS = {
     name: BenchMethod(name, "llamacpp", "baseline" if name == "llamacpp" else "speculative", "distribution-exact",
-                      needs=("draft_model",) if name == "llamacpp-draft" else (), summary=summary, can_sample=False,
+                      needs=("draft_model",) if name == "llamacpp-draft" else (), options=dict(LLAMACPP_OPTIONS[name]),
+                      summary=summary, can_sample=False,
                       weights="gguf", draft_weights="gguf" if name == "llamacpp-draft" else None)
     for name, summary in LLAMACPP_PEERS.items()
 }
@@ -124,7 +127,7 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
     # weights=FORMAT and draft_weights=FORMAT load the row's target and draft in formats of their own
     draft = values.pop("draft", None)
     weights, draft_weights = values.pop("weights", base.weights), values.pop("draft_weights", base.draft_weights)
-    if (draft is not None or draft_weights != base.draft_weights) and "draft_model" not in base.needs:
+    if draft is not None and "draft_model" not in base.needs:
         raise ValueError(f"method variant {name!r}: {base_name} takes no draft model")
     for given in (weights, draft_weights):
         check_weights(given)
@@ -200,7 +203,7 @@ def run_method(
 ) -> dict:
     """Generate once and time it; a record of new tokens, seconds and forward statistics."""
     if method.source == "llamacpp":
-        return peers.run(method.registered_name, prompt_ids, max_new_tokens)
+        return peers.run(method, options, prompt_ids, max_new_tokens)
     if method.source == "hf":
         return run_hf(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, options=options)
@@ -217,21 +220,16 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
                                temperature=temperature, seed=seed, **options)
     seconds = time.perf_counter() - started
     stats = result.stats
-    return {
-        "token_ids": list(result.token_ids),
-        "new_tokens": len(result.token_ids),
-        "finish_reason": result.finish_reason,
-        "seconds": seconds,
-        "target_forwards": stats["target_forwards"],
-        "committed_per_step": [accepted + 1 for accepted in stats["accepted_per_step"]],
-        "draft_tokens": stats["draft_tokens"],
-        "accepted_draft_tokens": stats["accepted_draft_tokens"],
-        "draft_seconds": stats["draft_seconds"],
-        "mean_layers": stats.get("mean_layers"),  # early exit: layers a decoded token went through
-        "hit_rate": stats.get("hit_rate"),  # ppd: tokens whose first layers a candidate had run
-        "compute": stats.get("compute"),  # ppd: layer-rows run, relative to plain decoding
-        "choice": stats.get("choice"),  # auto: the method it delegated to, and why
-    }
+    return generation_record(
+        result.token_ids, seconds, result.finish_reason, target_forwards=stats["target_forwards"],
+        committed_per_step=[accepted + 1 for accepted in stats["accepted_per_step"]],
+        draft_tokens=stats["draft_tokens"], accepted_draft_tokens=stats["accepted_draft_tokens"],
+        draft_seconds=stats["draft_seconds"],
+        mean_layers=stats.get("mean_layers"),  # early exit: layers a decoded token went through
+        hit_rate=stats.get("hit_rate"),  # ppd: tokens whose first layers a candidate had run
+        compute=stats.get("compute"),  # ppd: layer-rows run, relative to plain decoding
+        choice=stats.get("choice"),  # auto: the method it delegated to, and why
+    )
 
 
 def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
@@ -249,18 +247,11 @@ def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens,
         if draft_timer:
             draft_timer.remove()
     token_ids = output[0, len(prompt_ids):].tolist()
-    eos = kwargs["eos_token_id"]
-    return {
-        "token_ids": token_ids,
-        "new_tokens": len(token_ids),
-        "finish_reason": "stop" if token_ids and token_ids[-1] in eos else "length",
-        "seconds": seconds,
-        "target_forwards": counter.forwards,
-        "committed_per_step": counter.committed_per_step(len(prompt_ids), len(token_ids)),
-        "draft_tokens": None,  # HF does not report how many tokens it drafted
-        "accepted_draft_tokens": None,
-        "draft_seconds": draft_timer.seconds if draft_timer else None,
-    }
+    finish_reason = "stop" if token_ids and token_ids[-1] in kwargs["eos_token_id"] else "length"
+    # HF does not report how many tokens it drafted
+    return generation_record(token_ids, seconds, finish_reason, target_forwards=counter.forwards,
+                             committed_per_step=counter.committed_per_step(len(prompt_ids), len(token_ids)),
+                             draft_seconds=draft_timer.seconds if draft_timer else None)
 
 
 def hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options) -> dict:
@@ -306,7 +297,7 @@ class ForwardCounter:
         if module is not self.model:
             return
         self.forwards += 1
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # its name in newer / older transformers
         self.cache_lengths.append(cache.get_seq_length() if hasattr(cache, "get_seq_length") else None)
 
     def remove(self) -> None:

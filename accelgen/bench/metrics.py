@@ -64,6 +64,7 @@ def summarize(records: list[dict]) -> dict:
         "speedup_geomean": geometric_mean([r["speedup"] for r in with_speedup]),
         "format_speedup_total": format_speedup_total(records),
         "weights": next((r["weights"] for r in records if r.get("weights")), None),
+        "draft_weights": next((r["draft_weights"] for r in records if r.get("draft_weights")), None),
         "reference": next((r["reference"] for r in records if r.get("reference")), None),
         # tokens/s against the baseline's on the same prompts: a lossy method's output may be longer or shorter
         "speedup_per_token": per_token_speedup(with_speedup, baseline_seconds),

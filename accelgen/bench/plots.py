@@ -39,6 +39,30 @@ def speedup_plot(aggregates: dict, methods: list[str], path: Path) -> Path:
     return path
 
 
+def tokens_plot(summaries: dict, path: Path) -> Path:
+    """Horizontal bars: overall tokens/s of every row, the baseline included, coloured by weight format (rows in
+    different formats run different models, so their tokens/s is what compares them side by side)."""
+    names = [name for name, s in summaries.items() if s.get("tokens_per_second")]
+    formats = list(dict.fromkeys(summaries[name].get("weights") or "n/a" for name in names))
+    colours = dict(zip(formats, plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(formats)))
+    fig, ax = plt.subplots(figsize=(7.5, max(2.5, 0.35 * len(names) + 1.2)))
+    values = [summaries[name]["tokens_per_second"] for name in names]
+    bars = ax.barh(names, values, color=[colours[summaries[name].get("weights") or "n/a"] for name in names])
+    ax.bar_label(bars, labels=[f"{value:.2f}" for value in values], fontsize=7, padding=2)
+    ax.invert_yaxis()  # first row on top, as in the report's tables
+    ax.margins(x=0.15)  # room for the labels
+    ax.set_xlabel("tokens/s (all prompts)")
+    ax.set_title("Tokens per second per row")
+    ax.tick_params(axis="y", labelsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[fmt]) for fmt in formats]
+    if handles:
+        ax.legend(handles, formats, title="weights", fontsize=7, title_fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def tau_plot(records: list[dict], methods: list[str], path: Path) -> Path:
     """One histogram per method given: how many tokens each target forward committed (accepted + 1).
     Methods without per-forward data are left out."""
@@ -64,7 +88,6 @@ def tau_plot(records: list[dict], methods: list[str], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
 
 
 def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:

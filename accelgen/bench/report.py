@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from accelgen import hardware
 from accelgen.bench import metrics, plots
 from accelgen.bench.methods import BASELINE, LOSSLESS
 from accelgen.bench.runner import AUDITS_FILE, EXECUTIONS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
 
 RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
-SPEEDUP_PLOT, TAU_PLOT, TRADEOFF_PLOT = "speedup.png", "tau.png", "tradeoff.png"
+SPEEDUP_PLOT, TOKENS_PLOT, TAU_PLOT, TRADEOFF_PLOT = "speedup.png", "tokens.png", "tau.png", "tradeoff.png"
 
 
 def render(out_dir: Path) -> dict:
-    """Write results.json, report.md, speedup.png and tau.png into out_dir; returns the results."""
+    """Write results.json, report.md and the plots (speedup.png, tokens.png, tau.png, tradeoff.png) into out_dir;
+    returns the results."""
     out_dir = Path(out_dir)
     run_file = out_dir / RUN_FILE
     if not run_file.exists():
@@ -28,6 +30,7 @@ def render(out_dir: Path) -> dict:
     (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1) + "\n")
     methods = results["config"]["methods"]
     plots.speedup_plot(results["aggregates"], methods, out_dir / SPEEDUP_PLOT)
+    plots.tokens_plot(results["aggregates"].get(metrics.OVERALL, {}), out_dir / TOKENS_PLOT)
     drafting = [m for m in methods if results["methods"][m]["family"] != "baseline"]
     plots.tau_plot(results["records"], drafting, out_dir / TAU_PLOT)
     if lossy_methods(results):
@@ -136,7 +139,8 @@ def markdown(results: dict) -> str:
     lines += ["## Forward costs", "", f"One single-token forward with the first prompt cached, median of a few: target "
               f"{ms(cost['target_forward_seconds'])}" + (f", draft {ms(cost['draft_forward_seconds'])}, c = {cost['cost_ratio']:.3f}"
                                                          if cost["cost_ratio"] is not None else ""), ""]
-    lines += ["## Plots", "", f"![speedup per category]({SPEEDUP_PLOT})", "", f"![tokens per target forward]({TAU_PLOT})", ""]
+    lines += ["## Plots", "", f"![speedup per category]({SPEEDUP_PLOT})", "", f"![tokens/s per row]({TOKENS_PLOT})", "",
+              f"![tokens per target forward]({TAU_PLOT})", ""]
     if lossy_methods(results):
         lines += [f"![speedup against agreement with {BASELINE}, lossy methods]({TRADEOFF_PLOT})", ""]
     lines += legend(greedy)
@@ -149,12 +153,11 @@ def run_description(results: dict) -> list[str]:
     lines = [
         f"- command: `{meta['command']}`" if meta.get("command") else "- command: (called from Python)",
         f"- date: {meta['date']}" + (f" (resumed {len(results['resumed'])}×)" if results["resumed"] else ""),
-        f"- machine: {machine['cpu']}, {machine['logical_cores']} logical cores, {machine['torch_threads']} torch threads, {machine['system']}",
-        f"- CPU flags: {' '.join(machine['flags']) or 'none of the speed flags'} "
-        f"({'native bf16' if machine.get('native_bf16') else 'no native bf16'})" if "flags" in machine
-        else "- CPU flags: not recorded (run from before flags were recorded)",
+        f"- machine: {hardware.flags_text(machine) if 'flags' in machine else machine['cpu'] + '; flags: n/a (not recorded by this older run)'}; "
+        f"{machine['logical_cores']} logical cores, {machine['torch_threads']} torch threads, {machine['system']}",
         f"- weights: target {meta.get('weights', meta['dtype'])}" + (f", draft {meta['draft_weights']}" if meta.get("draft_weights") else "")
         + "; rows with a format of their own say so in the weights column",
+        *gguf_line(meta.get("gguf_files")),
         f"- versions: accelgen {versions['accelgen']}, torch {versions['torch']}, transformers {versions['transformers']}, python {machine['python']}",
         f"- dtype: {meta['dtype']}" + (f" (draft {meta['draft_dtype']})" if meta.get("draft_dtype") else ""),
         f"- max_new_tokens {config['max_new_tokens']}, temperature {config['temperature']}, seed {config['seed']}, "
@@ -163,6 +166,14 @@ def run_description(results: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def gguf_line(files: dict | None) -> list[str]:
+    """The GGUF files llama.cpp ran (their names say the quantization), where the run had rows on it."""
+    if not files:
+        return []
+    named = [f"{role} {files[role]}" for role in ("target", "draft") if files.get(role)]
+    return ["- GGUF files (llama.cpp rows, weights=gguf): " + ", ".join(named)]
 
 
 def prompt_count(results: dict) -> int:
@@ -195,13 +206,19 @@ def summary_table(summaries: dict, methods: dict, greedy: bool) -> list[str]:
         identical = f"{s['identical']}/{s['compared']}" if greedy and s["compared"] else "n/a"
         if greedy and s["mismatched_prompts"] and methods[name]["lossless"] in LOSSLESS:
             identical = f"**{identical}** ⚠"
-        rows.append([name, s.get("weights") or "n/a", methods[name]["lossless"], s["prompts"], s["new_tokens"],
+        rows.append([name, weights_cell(s), methods[name]["lossless"], s["prompts"], s["new_tokens"],
                      num(s["seconds"], 2), num(s["tokens_per_second"], 2), times(s["speedup_total"]),
                      times(s["speedup_geomean"]), times(s.get("format_speedup_total")), num(s["tau"], 2),
                      num(s["acceptance_rate"], 3), percent(s["draft_share"]), identical,
                      reference_name(s), percent(s["agreement"]), num(s["rouge_l"], 3)]
                     + [shown.get(key, percent)(s[key]) for key in optional])
     return table(SUMMARY_COLUMNS + tuple(OPTIONAL_COLUMNS[key] for key in optional), rows)
+
+
+def weights_cell(summary: dict) -> str:
+    """The row's weight format, and its draft's where it has one (n/a: a run from before formats were recorded)."""
+    weights = summary.get("weights") or "n/a"
+    return f"{weights} (draft {summary['draft_weights']})" if summary.get("draft_weights") else weights
 
 
 def reference_name(summary: dict) -> str:

@@ -23,13 +23,12 @@ import torch
 
 import accelgen
 from accelgen import hardware
-from accelgen.bench import audit
-from accelgen.bench.llamacpp import LlamaCppPeers
-from accelgen.models.loading import check_weights
+from accelgen.bench import audit, llamacpp
 from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
+from accelgen.models.loading import check_weights
 from accelgen.profile import forward_seconds
 
 RUN_FILE, RECORDS_FILE, AUDITS_FILE, EXECUTIONS_FILE = "run.json", "records.jsonl", "audits.jsonl", "executions.jsonl"
@@ -81,6 +80,7 @@ class Plan:
     methods: list[BenchMethod]
     options: dict[str, dict]  # method -> full options (defaults overlaid with the user's)
     notes: list[str]
+    gguf_files: dict = field(default_factory=dict)  # the GGUF files llama.cpp runs: {"target": name, "draft": names}
 
 
 def plan(config: BenchConfig) -> Plan:
@@ -91,7 +91,23 @@ def plan(config: BenchConfig) -> Plan:
     prompts = load_dataset(config.dataset, config.limit, config.categories)
     if not prompts:
         raise ValueError(f"dataset {config.dataset!r} gave no prompts")
-    return Plan(config, prompts, methods, options, notes)
+    return Plan(config, prompts, methods, options, notes, check_gguf(config, methods))
+
+
+def check_gguf(config: BenchConfig, methods: list[BenchMethod]) -> dict:
+    """The GGUF files of the models that run on llama.cpp (its own rows, or weights=gguf, draft_weights=gguf),
+    checked before any model is loaded: an HF folder has none, and llama.cpp's own rows need its package."""
+    target = any((m.weights or config.weights) == "gguf" for m in methods)  # llama.cpp's rows are weights=gguf
+    drafts = [m.draft or config.draft for m in methods if uses_draft(m) and (m.draft or config.draft)
+              and (m.draft_weights or config.draft_weights) == "gguf"]
+    if not target and not drafts:
+        return {}
+    return llamacpp.gguf_files(config.model if target else None, drafts,
+                               peers=any(m.source == "llamacpp" for m in methods))
+
+
+def uses_draft(method: BenchMethod) -> bool:
+    return "draft_model" in method.needs or method.registered_name == "auto"  # auto may draft with the run's draft
 
 
 def run(
@@ -114,7 +130,7 @@ def run(
     out_dir.mkdir(parents=True, exist_ok=True)
     run_info = open_run(out_dir, identity, overwrite)
     if run_info is None:
-        run_info = {**identity, "metadata": describe_run(command, model, draft_model),
+        run_info = {**identity, "metadata": {**describe_run(command, model, draft_model), "gguf_files": plan.gguf_files},
                     "cost": measure_costs(model, draft_model, prompt_ids[0])}
     else:
         run_info.setdefault("resumed", []).append({"date": now(), "command": command})
@@ -134,7 +150,7 @@ def run(
                           seed=config.seed + index)
         record = {"prompt_id": prompt.id, "prompt_index": index, "category": prompt.category, "method": method.name,
                   "dataset": config.dataset, "prompt_tokens": len(prompt_ids[index]),
-                  "weights": models.weights_of(method), **references(plan, method, models), **record,
+                  **models.formats(method), **references(plan, method, models), **record,
                   "tau": ratio_or_none(record["new_tokens"], record["target_forwards"]),
                   "acceptance_rate": ratio_or_none(record["accepted_draft_tokens"], record["draft_tokens"])}
         append_jsonl(out_dir / RECORDS_FILE, record)
@@ -170,14 +186,14 @@ class RowModels:
         for method in plan.methods:
             if method.source == "llamacpp":
                 if self.peers is None:
-                    self.peers = LlamaCppPeers(config.model, config.draft, config.threads)
+                    self.peers = llamacpp.LlamaCppPeers(config.model, config.draft, config.threads)
                 continue
             weights = self.weights_of(method)
             if weights not in self.targets:
                 self.targets[weights] = accelgen.load_model(config.model, dtype=config.dtype, weights=weights,
                                                             threads=config.threads)[0]
             key = self.draft_key(method)
-            if key[0] is not None and "draft_model" in method.needs and key not in self.drafts:
+            if key[0] is not None and uses_draft(method) and key not in self.drafts:
                 self.drafts[key] = accelgen.load_model(key[0], dtype=config.draft_dtype, weights=key[1],
                                                        threads=config.threads)[0]
 
@@ -194,6 +210,15 @@ class RowModels:
 
     def draft(self, method: BenchMethod):
         return self.drafts.get(self.draft_key(method), self.drafts[(self.config.draft, self.config.draft_weights)])
+
+    def formats(self, method: BenchMethod) -> dict:
+        """The weight formats a row ran, as loaded (weights=auto names what it chose): `weights`, and
+        `draft_weights` for rows with a draft model."""
+        if method.source == "llamacpp":
+            return {"weights": "gguf", "draft_weights": "gguf" if uses_draft(method) else None}
+        draft = self.draft(method) if uses_draft(method) else None
+        return {"weights": model_format(self.target(method)),
+                "draft_weights": model_format(draft) if draft is not None else None}
 
 
 def references(plan: Plan, method: BenchMethod, models: RowModels) -> dict:

@@ -2,21 +2,32 @@
 this target, draft model and workload (Decoding Speculative Decoding, Yan et al. 2024: what pays depends on
 the measured α, c and r(k), so measure rather than guess).
 
-`accelgen tune auto --model M [--draft D] --dataset humaneval` times every candidate (`candidates`) on a few
-prompts of the workload and saves the fastest beside the target's weights, keyed by draft model and
-workload. `auto` then delegates to that method. Before any calibration it falls back on what needs no
-measurement: draft-model speculation with γ chosen per step from running estimates of α and c
-(gamma_schedule="cost"), or prompt lookup without a draft model. Every candidate is lossless with the
-default verifier, so `auto` is too. The choice and its reason are reported in the result's stats.
+`accelgen tune auto --model M [--draft D] --dataset humaneval` times every candidate (`candidates`, plain
+decoding among them) on a few prompts of the workload and saves the fastest beside the target's weights,
+keyed by draft model and workload. `auto` then delegates to that method, its drafts capped each step by the
+measured budget (accelgen/costs.py), so that they never cost more than they are predicted to return.
+
+Before any calibration it chooses from the costs measured once per model, weight format and machine: at a
+prior acceptance α = PRIOR_ALPHA, draft-model speculation (γ then chosen each step, gamma_schedule="cost") if
+some γ is predicted to pay with the measured draft cost c and verification cost r(k); else prompt lookup, whose
+drafts cost nothing, if some length pays with r(k) alone; else plain decoding (`autoregressive`). Every
+candidate is lossless with the default verifier, so `auto` is too. The choice and its reason are reported in
+the result's stats.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
+from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, budgeted, draft_cost_ratio, verify_ratios
 from accelgen.models.loading import beside_weights
+from accelgen.profile import interpolate
 from accelgen.registry import MethodSpec, get_method, register
+from accelgen.theory import best_gamma, predicted_speedup
+
+PREDICTION_MAX_GAMMA = 16  # the longest draft the uncalibrated choice considers
 
 AUTO_FILE = "auto.json"
 
@@ -54,13 +65,28 @@ def save_choice(model, draft_model, workload: str, result: dict) -> Path:
     return path
 
 
-def default_choice(draft_model) -> dict:
+def uncalibrated_choice(target_model, draft_model) -> dict:
+    """The method the measured costs predict fastest at a prior acceptance: speculation with the draft model,
+    prompt lookup, or plain decoding (see the module's docstring); with the reason, in numbers."""
+    ratio = partial(interpolate, verify_ratios(target_model))  # tokens per forward -> r
+    measured = f"verifying 2 tokens costs r(2) = {ratio(2):.2f} decoding steps"
+    candidates = [("pld", 0.0, "prompt lookup, whose drafts cost nothing,")]
     if draft_model is not None:
-        return {"method": "speculative", "options": {"gamma_schedule": "cost"},
-                "reason": "not calibrated (run `accelgen tune auto`): draft-model speculation, γ chosen each step from "
-                          "the measured acceptance and cost ratio"}
-    return {"method": "pld", "options": {},
-            "reason": "not calibrated and no draft model: prompt lookup, whose drafts cost nothing"}
+        cost_ratio = draft_cost_ratio(target_model, draft_model)
+        measured += f", drafting a token c = {cost_ratio:.2f}"
+        candidates.insert(0, ("speculative", cost_ratio, "draft-model speculation"))
+    for method, cost_ratio, what in candidates:  # the first that pays
+        gamma = best_gamma(PRIOR_ALPHA, cost_ratio, PREDICTION_MAX_GAMMA, ratio, MIN_GAIN)
+        if gamma:
+            speedup = predicted_speedup(PRIOR_ALPHA, gamma, cost_ratio, ratio(gamma + 1))
+            return {"method": method, "options": {"gamma_schedule": "cost"} if method == "speculative" else {},
+                    "reason": f"not calibrated (run `accelgen tune auto`): at a prior acceptance α = {PRIOR_ALPHA} and "
+                              f"the costs measured on this machine ({measured}, r({gamma + 1}) = "
+                              f"{ratio(gamma + 1):.2f}), {what} is predicted {speedup:.2f}× plain decoding with "
+                              f"γ = {gamma}; its draft length then follows the measured costs each step"}
+    return {"method": "autoregressive", "options": {},
+            "reason": f"not calibrated (run `accelgen tune auto`): at a prior acceptance α = {PRIOR_ALPHA}, no draft "
+                      f"length pays on this machine ({measured}): plain decoding"}
 
 
 class AutoDrafter:
@@ -83,11 +109,13 @@ def _make(target_model, *, draft_model=None, tokenizer=None, sampling, generator
         if workload:
             raise ValueError(f"auto: no calibration saved for workload {workload!r} with this draft model; "
                              f"run `accelgen tune auto --dataset {workload}` first")
-        choice = default_choice(draft_model)
+        choice = uncalibrated_choice(target_model, draft_model)
     spec = get_method(choice["method"])
     options = spec.check_options(choice["options"])
     inner = spec.make_drafter(target_model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
                               generator=generator, **options)
+    if spec.family != "baseline" and getattr(inner, "draft_budget", None) is None:  # not yet capped by the costs
+        inner = budgeted(inner, target_model, draft_model if "draft_model" in spec.needs else None)
     return AutoDrafter(inner, {"method": spec.name, "options": choice["options"], "reason": choice["reason"]})
 
 
@@ -98,7 +126,8 @@ register(
         lossless="distribution-exact",
         paper="Yan et al. 2024, arXiv:2402.01528 (the analytical model behind the choice)",
         summary="the method and γ/tree options a short calibration (`accelgen tune auto`) found fastest for this "
-                "model pair and workload; uncalibrated: cost-adaptive speculation, or prompt lookup without a draft",
+                "model pair and workload; uncalibrated: what the costs measured on this machine predict fastest "
+                "(cost-adaptive speculation, prompt lookup or plain decoding)",
         make_drafter=_make,
         options={"workload": ""},
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, cost_options
+from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, scheduled
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, register
 from accelgen.train.distill import DISTILLSPEC_FILE, model_fingerprint
@@ -36,7 +36,7 @@ def check_distilled(target_model, draft_model) -> dict:
 def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
     check_vocabularies(target_model, draft_model)
     check_distilled(target_model, draft_model)
-    return DraftModelDrafter(draft_model, sampling, generator, **cost_options(target_model, options))
+    return scheduled(DraftModelDrafter(draft_model, sampling, generator, **options), target_model, draft_model)
 
 
 register(

@@ -11,7 +11,8 @@ less often, and the benchmark shows it.
 
 from __future__ import annotations
 
-from accelgen.drafters.draft_model import DraftModelDrafter
+from accelgen.costs import SELF_DRAFT_COST
+from accelgen.drafters.draft_model import DraftModelDrafter, scheduled
 from accelgen.models.exit_draft import ExitDraftRunner
 from accelgen.registry import MethodSpec, register
 
@@ -36,7 +37,8 @@ def _make_runner(model, *, exit_layer, **_):
 
 
 def _make(target_model, *, sampling, generator, gamma, gamma_schedule, max_gamma, **_):
-    return LayerSkipDrafter(None, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
+    drafter = LayerSkipDrafter(None, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
+    return scheduled(drafter, target_model, cost_ratio=SELF_DRAFT_COST)
 
 
 register(

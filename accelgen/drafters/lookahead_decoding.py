@@ -22,6 +22,12 @@ The pool also learns the n-grams of the prompt and of committed text. Greedy ver
 lookahead nodes too; that is still exact, since any accepted path equals the target's own argmax tokens
 (the spine is then a Jacobi guess that happened to converge). Drafts are deterministic functions of what was
 already scored, so with speculative sampling they are point masses and the method is exact for sampling too.
+
+max_nodes caps both branches together. "auto" (the default) drafts each step only if the measured verification
+cost r(k) (accelgen/costs.py) pays for the window, counted as a fixed cost, plus the pooled n-grams the running
+acceptance is worth: on a CPU where verifying 8 tokens costs little more than decoding one, the window and the
+guesses are drafted; where it costs several steps, nothing is (plain decoding, with rare probes). None: no
+cap, as in the paper.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.drafters.candidate_tree import draft_from_candidates
+from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodSpec, register
 
 
@@ -81,13 +88,16 @@ def spread(tokens: list[int], count: int) -> list[int]:
 
 
 class LookaheadDecodingDrafter:
-    def __init__(self, window_size: int = 3, ngram_size: int = 3, guess_set_size: int = 2):
+    def __init__(self, window_size: int = 3, ngram_size: int = 3, guess_set_size: int = 2, max_nodes: int | None = None):
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if ngram_size < 2:
             raise ValueError(f"ngram_size must be >= 2, got {ngram_size}")
         if guess_set_size < 0:
             raise ValueError(f"guess_set_size must be >= 0, got {guess_set_size}")
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, 'auto' or None, got {max_nodes}")
+        self.max_nodes = max_nodes
         self.window_size, self.ngram_size = window_size, ngram_size
         self.pool = NGramPool(guess_set_size)
         self.levels: list[list[int]] = []  # the window; empty until the prompt is seen
@@ -97,6 +107,8 @@ class LookaheadDecodingDrafter:
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long; the whole prompt is read once, then only the tokens committed since."""
+        if self.max_nodes is not None:
+            max_nodes = min(max_nodes, self.max_nodes)
         new = context[self.seen :].tolist()
         if not self.levels:  # first step: a spine long enough to lose one column per warm-up step
             self.levels = [spread(new, self.window_size + self.ngram_size - 2)]
@@ -134,8 +146,10 @@ class LookaheadDecodingDrafter:
         self.levels = self.levels[1:] + [guesses]
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, **options):
-    return LookaheadDecodingDrafter(**options)
+def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, max_nodes, **options):
+    window_nodes = options["window_size"] * (options["ngram_size"] - 1)  # verified every step, drafted to be guesses
+    return sized_by_costs(lambda nodes: LookaheadDecodingDrafter(**options, max_nodes=nodes), max_nodes, target_model,
+                          fixed_nodes=window_nodes)
 
 
 register(
@@ -146,6 +160,6 @@ register(
         paper="Fu et al. 2024, arXiv:2402.02057",
         summary="2-D Jacobi window (W columns, N-1 levels) feeds an n-gram pool; pooled n-grams are verified as a tree",
         make_drafter=_make,
-        options={"window_size": 3, "ngram_size": 3, "guess_set_size": 2},
+        options={"window_size": 3, "ngram_size": 3, "guess_set_size": 2, "max_nodes": "auto"},
     )
 )

@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
+from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodSpec, register
 
 
@@ -265,8 +266,11 @@ class TrieLookaheadDrafter:
             self._close()
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, trie=None, **options):
-    return TrieLookaheadDrafter(trie, target_model.config.vocab_size, **options)
+def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, trie=None, max_nodes,
+          **options):
+    vocab_size = target_model.config.vocab_size
+    return sized_by_costs(lambda nodes: TrieLookaheadDrafter(trie, vocab_size, **options, max_nodes=nodes), max_nodes,
+                          target_model)
 
 
 register(
@@ -277,6 +281,6 @@ register(
         paper="Zhao et al. 2023, arXiv:2312.12728",
         summary="multi-branch drafts from a trie of prompt and output n-grams, shared across requests via trie=",
         make_drafter=_make,
-        options={"trie": None, "max_nodes": 8, "branch_length": 8, "max_prefix": 4, "prompt_boost": 1e4},
+        options={"trie": None, "max_nodes": "auto", "branch_length": 8, "max_prefix": 4, "prompt_boost": 1e4},
     )
 )

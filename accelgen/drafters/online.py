@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from accelgen.draft import Draft, Verdict
-from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, cost_options
+from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, scheduled
 from accelgen.generate import generate
 from accelgen.registry import MethodSpec, register
 from accelgen.train.distill import Example, check_divergence, distillation_step, trainable_parameters
@@ -184,8 +184,8 @@ class OnlineDrafter(DraftModelDrafter):
 
 def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, learner=None, **options):
     check_vocabularies(target_model, draft_model)
-    return OnlineDrafter(draft_model, OnlineLearner() if learner is None else learner, sampling, generator,
-                         **cost_options(target_model, options))
+    drafter = OnlineDrafter(draft_model, OnlineLearner() if learner is None else learner, sampling, generator, **options)
+    return scheduled(drafter, target_model, draft_model)
 
 
 register(

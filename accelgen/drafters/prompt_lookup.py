@@ -16,6 +16,7 @@ import torch
 
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.candidate_tree import draft_from_candidates
+from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodSpec, register
 
 MAX_OCCURRENCES_PER_NGRAM = 4  # occurrences examined per branch and n-gram size: bounds the work per step
@@ -106,8 +107,8 @@ class PromptLookupDrafter:
         pass  # committed tokens reach the index through the next context
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, **options):
-    return PromptLookupDrafter(**options)
+def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, draft_length, **options):
+    return sized_by_costs(lambda length: PromptLookupDrafter(**options, draft_length=length), draft_length, target_model)
 
 
 register(
@@ -118,6 +119,6 @@ register(
         paper="Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding",
         summary="copies the tokens that followed the last earlier occurrence of the context's final n-gram",
         make_drafter=_make,
-        options={"max_ngram": 3, "min_ngram": 1, "draft_length": 10, "branches": 1},
+        options={"max_ngram": 3, "min_ngram": 1, "draft_length": "auto", "branches": 1},
     )
 )

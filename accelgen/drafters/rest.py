@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.candidate_tree import CandidateTree
 from accelgen.drafters.prompt_lookup import NGramIndex, lookup_candidates
+from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodSpec, register
 
 CONTEXT_MAX_NGRAM = 3  # context=True: the longest tail looked up in the request's own text, as pld's default
@@ -280,8 +281,10 @@ def open_datastore(datastore, vocab_size: int) -> Datastore:
     return store
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, datastore=None, **options):
-    return RestDrafter(open_datastore(datastore, target_model.config.vocab_size), **options)
+def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, datastore=None, max_nodes,
+          **options):
+    store = open_datastore(datastore, target_model.config.vocab_size)
+    return sized_by_costs(lambda nodes: RestDrafter(store, **options, max_nodes=nodes), max_nodes, target_model)
 
 
 register(
@@ -294,6 +297,6 @@ register(
         make_drafter=_make,
         needs=("datastore",),
         options={"datastore": None, "max_query": 16, "min_query": 2, "max_matches": 500, "draft_depth": 6,
-                 "max_nodes": 8, "context": False},
+                 "max_nodes": "auto", "context": False},
     )
 )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 
-from accelgen.drafters.draft_model import DraftModelDrafter
+from accelgen.costs import SELF_DRAFT_COST
+from accelgen.drafters.draft_model import DraftModelDrafter, scheduled
 from accelgen.models.layer_skip import LayerSkipRunner
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, register
@@ -47,7 +48,8 @@ def resolve_skip(model, skip) -> dict[str, list[int]]:
 
 def _make(target_model, *, sampling, generator, skip, gamma, gamma_schedule, max_gamma, **_):
     runner = LayerSkipRunner(target_model, **resolve_skip(target_model, skip))
-    return DraftModelDrafter(runner, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
+    drafter = DraftModelDrafter(runner, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
+    return scheduled(drafter, target_model, cost_ratio=SELF_DRAFT_COST)
 
 
 register(

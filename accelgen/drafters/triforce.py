@@ -179,8 +179,8 @@ def root_queries(model, target: ModelRunner, root: int) -> list[torch.Tensor]:
     hooks = [layer.self_attn.register_forward_pre_hook(read_query, with_kwargs=True) for layer in decoder_layers]
     try:
         model(input_ids=torch.tensor([[root]], device=model.device),
-              position_ids=torch.tensor([[target.length]], device=model.device), past_key_values=full, use_cache=True,
-              logits_to_keep=1)
+              position_ids=torch.tensor([[target.length]], device=model.device), use_cache=True,
+              logits_to_keep=1, **{kv.cache_keyword(model): full})
     finally:
         for hook in hooks:
             hook.remove()

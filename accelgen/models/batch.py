@@ -59,8 +59,8 @@ def batched_forward(runners: list[ModelRunner], blocks: list[tuple[torch.Tensor,
         input_ids=input_ids.to(model.device),
         position_ids=positions.to(model.device),
         attention_mask=mask[:, None].to(model.device),
-        past_key_values=cache,
         use_cache=True,
+        **{kv.cache_keyword(model): cache},
         logits_to_keep=logits_for_last,
     )
     logits = output.logits.float()  # (batch, logits_for_last, vocab)

@@ -14,6 +14,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from accelgen.cache import cache_keyword
+
 SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
@@ -31,7 +33,7 @@ def llama_decoder(model, purpose: str):
 def attention_block(layer, hidden: torch.Tensor, *, mask, positions, cache, position_embeddings) -> torch.Tensor:
     """hidden (1, m, d) + the layer's self-attention of it; appends the m positions' keys and values to `cache`."""
     attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=mask,
-                                  position_ids=positions, past_key_values=cache,
+                                  position_ids=positions, **{cache_keyword(layer.self_attn): cache},
                                   position_embeddings=position_embeddings)
     return hidden + attended
 

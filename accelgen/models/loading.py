@@ -9,6 +9,8 @@ import hashlib
 import os
 import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -111,16 +113,24 @@ def _convert_gguf(gguf_path: Path, folder: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.replace(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".partial"))
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if (folder / "config.json").is_file():  # another process finished the same conversion first
+            shutil.rmtree(partial)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)  # an incomplete leftover
+            partial.replace(folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     print(f"accelgen: cached {folder.name}", file=sys.stderr)
 
 
 WEIGHTS = ("auto", "gguf", "fp32", "bf16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
 WEIGHTS_HELP = ("Weight format: fp32, bf16, int8, int4 (weight-only quantized), gguf (the GGUF file run by llama.cpp) "
                 "or auto (the fastest on this machine, measured once and cached).")
 DRAFT_WEIGHTS_HELP = "Weight format of the draft model (as --weights); the output never depends on it."
@@ -141,10 +151,12 @@ def load_model(
 ):
     """Return (model, tokenizer) for an embedded name, a HF id, a local folder or a .gguf file.
 
-    weights: None (dtype decides), "fp32", "bf16", "int8" or "int4" (weight-only quantized linear layers,
-    accelgen/models/formats.py), "gguf" (the GGUF file itself, run by llama.cpp: accelgen/models/llamacpp.py),
-    or "auto": the format a short probe of this machine found fastest (accelgen/models/probe.py).
-    dtype defaults to bfloat16 for embedded models and to the checkpoint's own dtype otherwise.
+    weights: None (dtype decides), "fp32" or "bf16" (dense, in that dtype whatever `dtype` says), "int8" or
+    "int4" (weight-only quantized linear layers, accelgen/models/formats.py; the rest of the model runs in `dtype`,
+    bfloat16 by default, and the quantized tensors are cached so that later loads take seconds), "gguf" (the
+    GGUF file itself, run by llama.cpp: accelgen/models/llamacpp.py), or "auto": the format a short probe of this
+    machine found fastest (accelgen/models/probe.py, measured once per machine and model).
+    Without weights, dtype defaults to bfloat16 for embedded models and to the checkpoint's own dtype otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,8 +170,15 @@ def load_model(
 
         return load_llamacpp(name_or_path, threads)
     if weights in ("fp32", "bf16"):
-        dtype = dtype or {"fp32": "float32", "bf16": "bfloat16"}[weights]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[weights]
     torch_dtype = resolve_dtype(dtype)
+    quantized = weights in QUANTIZED
+    compute_dtype = torch_dtype or torch.bfloat16  # of the quantized formats
+    if quantized:
+        from accelgen.models.formats import kernel_error
+
+        if (error := kernel_error(weights, compute_dtype)) is not None:  # said before anything is loaded
+            raise ValueError(f"weights={weights} cannot run in this PyTorch build ({torch.__version__}): {error}")
     if name_or_path in EMBEDDED_MODELS:
         folder = prepare_embedded(name_or_path)
         torch_dtype = torch_dtype or torch.bfloat16
@@ -173,39 +192,85 @@ def load_model(
         folder = name_or_path
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch_dtype or "auto", attn_implementation=attn_implementation
+        # quantized formats quantize the checkpoint's own values; the dtype is then the compute dtype
+        folder, dtype="auto" if quantized else torch_dtype or "auto", attn_implementation=attn_implementation
     )
-    if weights in ("int8", "int4"):
-        quantize_cached(model, weights, Path(folder), torch_dtype or torch.bfloat16)
+    if quantized:
+        quantize_cached(model, weights, local_folder(str(folder)), compute_dtype)
     model.to(device).eval()
     return model, tokenizer
 
 
-def quantize_cached(model, fmt: str, folder: Path, compute_dtype: torch.dtype) -> None:
-    """Quantize the model's linear layers to fmt, reading the quantized tensors from the cache when a
-    previous load saved them (keyed by the folder's weights, the format and the torch version), else
-    quantizing and saving them (to a temporary file, then renamed)."""
-    from safetensors.torch import load_file, save_file
+def local_folder(name_or_path: str) -> Path | None:
+    """The folder a model's weights were read from: the path itself, or a hub id's snapshot in the HF cache."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(name_or_path, "config.json")
+    except Exception:  # noqa: BLE001 - not a hub id: nothing to key a cache by
+        return None
+    return Path(config).parent if isinstance(config, str) else None
+
+
+def quantize_cached(model, fmt: str, folder: Path | None, compute_dtype: torch.dtype) -> None:
+    """Quantize the model's linear layers to fmt in place, reading the quantized tensors from the cache when a
+    previous load saved them, else quantizing them (with progress on stderr) and saving them atomically."""
+    from safetensors.torch import load_file
 
     from accelgen.models.formats import quantize
 
-    path = quantized_cache_path(folder, fmt)
-    cached = load_file(path) if path is not None and path.is_file() else None
-    if cached is None:
-        print(f"accelgen: quantizing {folder.name} to {fmt} once; later loads read it from the cache", file=sys.stderr)
-    saved = quantize(model, fmt, cached, compute_dtype)
-    if cached is None and path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        save_file({key: value.contiguous() for key, value in saved.items()}, partial)
-        partial.replace(path)
+    path = quantized_cache_path(folder, fmt) if folder is not None else None
+    if path is not None and path.is_file():
+        quantize(model, fmt, load_file(path), compute_dtype)
+        return
+    name = folder.name if folder is not None else model.config.name_or_path
+    print(f"accelgen: quantizing {name} to {fmt} once; later loads read it from the cache", file=sys.stderr)
+    started, shown = time.perf_counter(), [0.0]
+
+    def progress(done: int, total: int, layer: str) -> None:
+        elapsed = time.perf_counter() - started
+        if done == total or elapsed - shown[0] >= 5:
+            shown[0] = elapsed
+            print(f"accelgen: quantized {done}/{total} layers ({layer}) in {elapsed:.0f}s", file=sys.stderr)
+
+    saved = quantize(model, fmt, None, compute_dtype, progress)
+    if path is not None:
+        write_atomically(path, lambda partial: save_quantized(saved, partial))
+        print(f"accelgen: {fmt} tensors cached as {path.name} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+
+
+def save_quantized(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(path),
+              metadata={"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()})
+
+
+def write_atomically(path: Path, write) -> None:
+    """Call write(temporary path) beside `path`, then rename it to `path`: a reader never sees a partial file,
+    and a failed or concurrent write leaves none behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(handle)
+    try:
+        write(Path(partial))
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def quantized_cache_path(folder: Path, fmt: str) -> Path | None:
-    """Where the quantized tensors of the weights in `folder` are cached (None: not a local folder)."""
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    """Where the quantized tensors of the weights in `folder` are cached (None: no weight files there), keyed by
+    the weight files' paths, sizes and times, the format, the torch version and the CPU capability it packs for
+    (the int4 layout follows the vector width)."""
+    files = sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]) if folder.is_dir() else []
     if not files:
         return None
     stamp = ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    key = hashlib.sha1(f"{stamp}|{fmt}|{torch.__version__}".encode()).hexdigest()[:16]
+    text = f"{stamp}|{fmt}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    key = hashlib.sha1(text.encode()).hexdigest()[:16]
     return cache_dir() / "quantized" / f"{folder.name}-{fmt}-{key}.safetensors"

@@ -63,8 +63,8 @@ class ModelRunner:
             tree_start = start - (tree.shape[1] - tree.shape[0])  # where the tree's first level sits
             positions = tree_start + tree.sum(dim=-1) - 1  # depth = number of ancestors
             mask = additive_mask(kv.cache_length(self.cache), tree, self.dtype, self.device)
-        inputs = dict(position_ids=positions.to(self.device)[None], attention_mask=mask, past_key_values=self.cache,
-                      use_cache=True)
+        inputs = dict(position_ids=positions.to(self.device)[None], attention_mask=mask, use_cache=True,
+                      **{kv.cache_keyword(self.model): self.cache})
         if appended is None:
             inputs["input_ids"] = token_ids.to(self.device)[None]
         else:

@@ -15,11 +15,12 @@ arXiv:2310.18813). Two policies:
   from that sequence's own verdicts, starting from its method's recent acceptance. A batched forward pads
   every block to the widest, so b sequences drafting g tokens cost t_target(b, g + 1), the target's forward
   of b blocks of g + 1 tokens; t_draft(d) is one lockstep round of the d sequences that draft with a model
-  (model-free drafters cost nothing). Both start from a short calibration of batched forwards (`calibrate`)
-  and follow what each step measures.
+  (model-free drafters cost nothing). Both start from batched forwards timed once per model, weight format,
+  machine and batch size and cached (`calibrate`, accelgen/costs.py), and follow what each step measures.
 
-  g = 0 is plain batched decoding. While g stays 0, every PROBE_EVERY-th step drafts one token anyway, so
-  that the acceptance estimates do not go stale.
+  g = 0 is plain batched decoding. While g stays 0, one step in `probe_interval` drafts one token anyway, so
+  that the acceptance estimates do not go stale: as often as keeps the probes' cost (t(b, 2) + draft round
+  over t(b, 1), less one) under costs.PROBE_COST of the decoding time.
 
 Either way the cap only shortens drafts, so outputs are unchanged: each request still gets exactly the
 tokens it would get alone.
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from accelgen.profile import batch_forward_seconds, interpolate, timing_prompt
+from accelgen.costs import SIZES, Timer, forward_seconds, probe_interval
+from accelgen.profile import interpolate
 from accelgen.theory import AcceptanceEstimate, expected_tokens_per_forward
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -38,7 +40,7 @@ CALIBRATION_WIDTHS = (1, 2, 3, 5)
 
 class ForwardCosts:
     """Seconds of one batched forward of b sequences whose blocks are padded to w tokens, per batch size and
-    width: measured for a few batch sizes at start-up (`calibrate`), faded towards every measured forward of
+    width: measured for a few batch sizes once per machine (`calibrate`), faded towards every measured forward of
     those batch sizes (DECAY per measurement), linear in between."""
 
     DECAY = 0.8
@@ -60,13 +62,14 @@ class ForwardCosts:
         widths[width] = seconds if known is None else self.DECAY * known + (1 - self.DECAY) * seconds
 
 
-def calibrate(model, max_batch: int, widths=CALIBRATION_WIDTHS, context_tokens: int = 128,
-              repeats: int = 2) -> ForwardCosts:
-    """Time batched forwards (blocks of each width after context_tokens cached) for batch sizes 1, 2, 4, …
-    up to max_batch, and max_batch itself."""
-    prompt_ids = timing_prompt(model, context_tokens)
+def calibrate(model, max_batch: int, widths=CALIBRATION_WIDTHS, timer: Timer | None = None) -> ForwardCosts:
+    """Batched forwards (blocks of each width after costs.CONTEXT_TOKENS cached) for batch sizes 1, 2, 4, … up to
+    max_batch, and max_batch itself: timed once per model, weight format and machine, then read from the cache
+    (accelgen/costs.py). Batch size 1 also gets the sizes the requests' own budgets read r(k) from."""
     batches = sorted({size for size in CALIBRATION_BATCHES if size <= max_batch} | {max_batch})
-    return ForwardCosts({batch: batch_forward_seconds(model, prompt_ids, batch, widths, repeats) for batch in batches})
+    return ForwardCosts({batch: forward_seconds(model, batch, sorted(set(widths) | set(SIZES if batch == 1 else ())),
+                                                timer=timer)
+                         for batch in batches})
 
 
 def best_draft_length(alphas: list[float], drafting_with_model: int, target: Callable[[int, int], float],
@@ -112,8 +115,6 @@ class TokenBudget:
 class Goodput:
     """The draft length with the most expected tokens per second, from measured costs and acceptance (above)."""
 
-    PROBE_EVERY = 16
-
     def __init__(self, target: ForwardCosts | None = None, draft: ForwardCosts | None = None, max_draft: int = 8,
                  calibration: Callable[[], tuple[ForwardCosts, ForwardCosts | None]] | None = None):
         """target, draft: the costs; or calibration, which measures them (target, draft) in `prepare`."""
@@ -153,11 +154,18 @@ class Goodput:
         length = best_draft_length([self.acceptance(request).alpha for request in decoding], drafting_with_model,
                                    self.target, self.draft, self.max_draft)
         self._idle_steps = self._idle_steps + 1 if length == 0 else 0
-        if self._idle_steps >= self.PROBE_EVERY:  # keep the acceptance estimates fresh
-            self._idle_steps = 0
+        if self._idle_steps >= probe_interval(self.probe_cost(len(decoding), drafting_with_model)):
+            self._idle_steps = 0  # keep the acceptance estimates fresh
             length = min(1, self.max_draft)
         self._lengths = (self._lengths[1], length)
         return length
+
+    def probe_cost(self, batch: int, drafting_with_model: int) -> float:
+        """What a step drafting one token costs more than a plain step, in plain steps (if nothing is accepted)."""
+        seconds = self.target(batch, 2)
+        if drafting_with_model and self.draft is not None:
+            seconds += self.draft(drafting_with_model, 1)
+        return seconds / self.target(batch, 1) - 1
 
     def measured(self, *, target_batch: int = 0, target_width: int = 0, target_seconds: float = 0.0,
                  draft_batch: int = 0, draft_rounds: int = 0, draft_seconds: float = 0.0) -> None:

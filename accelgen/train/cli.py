@@ -22,6 +22,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
+                       "What is trained learns the target as loaded: use it with the target in the same format.")
+
 
 def register(app: typer.Typer) -> None:
     train_app = typer.Typer(no_args_is_help=True, help="Train what some methods need, on this CPU.")
@@ -175,6 +178,7 @@ def register(app: typer.Typer) -> None:
                                                                      "(0: the whole vocabulary)."),
         checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
+        weights: Optional[str] = typer.Option(None, "--weights", help=TARGET_WEIGHTS_HELP),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
         """Medusa heads (also for blockwise) on the frozen target's features; top-1/top-5 per head held out."""
@@ -186,7 +190,7 @@ def register(app: typer.Typer) -> None:
         with reported_errors():
             config = MedusaConfig(heads=heads, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
                                   draft_vocab=draft_vocab, checkpoint_every=checkpoint_every)
-            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
+            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads, weights)
             with progress_bar(len(data), "target features of windows") as show:
                 cached, choices = cached_features(target_model, data, features or out,
                                                   progress=lambda done: show({"step": done}, ""))
@@ -229,6 +233,7 @@ def register(app: typer.Typer) -> None:
                                                                      "(0: the whole vocabulary)."),
         checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
+        weights: Optional[str] = typer.Option(None, "--weights", help=TARGET_WEIGHTS_HELP),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
         """EAGLE head: one decoder layer over the frozen target's features; top-1/top-5 held out."""
@@ -238,7 +243,7 @@ def register(app: typer.Typer) -> None:
             config = EagleConfig(steps=steps, batch_size=batch_size, learning_rate=learning_rate, ce_weight=ce_weight,
                                  ce_positions=ce_positions, noise=noise, checkpoint_every=checkpoint_every,
                                  draft_vocab=draft_vocab)
-            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
+            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads, weights)
             with progress_bar(len(data), "target features of windows") as show:
                 cached, choices = cached_features(target_model, data, features or out,
                                                   progress=lambda done: show({"step": done}, ""))
@@ -272,6 +277,7 @@ def register(app: typer.Typer) -> None:
         cuts: int = typer.Option(16, help="Positions per window the slots are appended at."),
         learning_rate: float = typer.Option(3e-3, "--learning-rate"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
+        weights: Optional[str] = typer.Option(None, "--weights", help=TARGET_WEIGHTS_HELP),
         threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
     ):
         """PaSS look-ahead embeddings: the frozen target drafts k tokens for itself; per-slot top-1 held out."""
@@ -279,7 +285,7 @@ def register(app: typer.Typer) -> None:
 
         with reported_errors():
             config = PassConfig(count=count, steps=steps, batch_size=batch_size, cuts=cuts, learning_rate=learning_rate)
-            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads)
+            target_model, _, data = model_and_windows(model, dtype, dataset, seq_len, windows, held_out, threads, weights)
             started = time.perf_counter()
             with progress_bar(steps) as show:
                 embeddings = train_pass(target_model, data[held_out:], config,
@@ -493,7 +499,7 @@ def hidden_states_for(model: str, dataset: str, layers: str | None, windows: int
 
 
 def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int, windows: int, held_out: int,
-                      threads: int | None):
+                      threads: int | None, weights: str | None = None):
     """(model, tokenizer, windows + held_out packed windows of the dataset, the held-out ones first)."""
     import torch
 
@@ -501,10 +507,12 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     from accelgen.models import load_model
     from accelgen.train.layerskip import packed_windows
 
+    if weights not in (None, "fp32", "bf16", "int8", "int4"):
+        raise ValueError(f"--weights {weights}: training needs the PyTorch model; choose fp32, bf16, int8 or int4")
     if threads:
         torch.set_num_threads(threads)
-    with stderr.status(f"loading {model} …"):
-        target_model, tokenizer = load_model(model, dtype=dtype)
+    with stderr.status(f"loading {model}{f' ({weights})' if weights else ''} …"):
+        target_model, tokenizer = load_model(model, dtype=dtype, weights=weights)
     with stderr.status("tokenizing …"):
         data = packed_windows(tokenizer, dataset_texts(dataset), seq_len, windows + held_out)
     if len(data) <= held_out:

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.cache import cache_keyword
 from accelgen.models.runner import additive_mask
 from accelgen.train.heads import load_heads, resume, run_settings, save_checkpoint, save_heads
 
@@ -98,7 +99,7 @@ class EagleHead(torch.nn.Module):
         at positions (b, m); mask (b or 1, 1, m, cached + m) additive, None for a single token; cache: a
         DynamicCache the new keys and values are appended to."""
         hidden = self.fc(torch.cat([token_embeds, features], dim=-1).to(self.fc.weight.dtype))
-        return self.layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return self.layer(hidden, attention_mask=mask, position_ids=positions, **{cache_keyword(self.layer): cache},
                           use_cache=cache is not None, position_embeddings=self.rotary(hidden, positions))
 
     def describe_shape(self) -> dict:

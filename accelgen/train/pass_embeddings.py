@@ -97,13 +97,13 @@ def slot_logits(model, embeddings: LookaheadEmbeddings, windows: torch.Tensor, c
     positions = torch.stack([positions for positions, _ in layouts])  # (b, c·k)
     with torch.no_grad():
         cache = kv.new_cache(model.config)
-        hidden = decoder(input_ids=windows.to(model.device), past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = decoder(input_ids=windows.to(model.device), use_cache=True, **{kv.cache_keyword(decoder): cache}).last_hidden_state
         rows = hidden[torch.arange(len(windows))[:, None], positions]  # (b, c·k, d) the rows that choose the labels
         labels = lm_head(rows).argmax(-1)
     masks = torch.stack([blocking_mask(allowed, model.dtype) for _, allowed in layouts])  # (b, 1, c·k, n + c·k)
     inputs = embeddings.vectors.to(model.dtype).repeat(len(cuts), cuts.shape[1], 1)  # (b, c·k, d)
     slots = decoder(inputs_embeds=inputs, position_ids=positions.to(model.device), attention_mask=masks.to(model.device),
-                    past_key_values=cache, use_cache=True).last_hidden_state
+                    use_cache=True, **{kv.cache_keyword(decoder): cache}).last_hidden_state
     return lm_head(slots).float(), labels
 
 

@@ -32,6 +32,26 @@ def test_specbench_first_turns_as_chat_balanced_over_categories(specbench_file):
     assert [p.category for p in limited] == ["writing", "math", "translation", "writing"]
 
 
+SPECBENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                        "translation", "summarization", "qa", "math_reasoning", "rag"]
+
+
+def test_the_projects_specbench_file_is_the_default(monkeypatch, tmp_path):
+    """`specbench` alone: the project's question.jsonl in Spec-Bench's format, every category at least twice."""
+    rows = [json.loads(line) for line in datasets.SPECBENCH_FILE.read_text().splitlines()]
+    assert all(set(row) == {"question_id", "category", "turns"} and isinstance(row["question_id"], int)
+               and row["turns"] and all(isinstance(turn, str) and turn for turn in row["turns"]) for row in rows)
+    prompts = load_dataset("specbench")
+    assert prompts == load_dataset(f"specbench:{datasets.SPECBENCH_FILE}")
+    assert sorted(p.id for p in prompts) == sorted(str(row["question_id"]) for row in rows)
+    assert sorted(p.category for p in load_dataset("specbench", limit=13)) == sorted(SPECBENCH_CATEGORIES)
+    assert all(sum(p.category == category for p in prompts) >= 2 for category in SPECBENCH_CATEGORIES)
+    assert all(p.chat for p in prompts)
+    monkeypatch.setattr(datasets, "SPECBENCH_FILE", tmp_path / "absent.jsonl")  # an installed package, no checkout
+    with pytest.raises(FileNotFoundError, match="specbench:<question.jsonl>"):
+        load_dataset("specbench")
+
+
 def test_specbench_category_filter_and_unknown_category(specbench_file):
     prompts = load_dataset(f"specbench:{specbench_file}", categories=["math", "translation"])
     assert {p.category for p in prompts} == {"math", "translation"}
@@ -70,7 +90,7 @@ def test_duplicate_ids_are_an_error(tmp_path):
         load_dataset(f"jsonl:{path}")
 
 
-@pytest.mark.parametrize("spec", ["nope", "specbench", "humaneval:extra", "jsonl:"])
+@pytest.mark.parametrize("spec", ["nope", "sharegpt:extra", "humaneval:extra", "jsonl:"])
 def test_unknown_dataset_spec(spec):
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset(spec)

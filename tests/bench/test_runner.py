@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 
 import pytest
@@ -254,8 +255,10 @@ def test_llma_copies_from_the_prompt_when_no_references_are_given(smollm):
 
 
 @pytest.mark.parametrize("with_draft, chosen", [(True, "speculative"), (False, "pld")])
-def test_auto_gets_the_runs_draft_model(tiny_target, tiny_draft, tokenizer, with_draft, chosen):
-    """`auto` needs no draft model but uses one when the run has it (uncalibrated: speculation with it)."""
+def test_auto_gets_the_runs_draft_model(tiny_target, tiny_draft, tokenizer, measured_costs, with_draft, chosen):
+    """`auto` needs no draft model but uses one when the run has it (uncalibrated, with a draft that costs little
+    and verification as cheap as decoding: speculation with it)."""
+    measured_costs({tiny_target: (0.01, {1: 1.0}), tiny_draft: (0.0001, {1: 1.0})})
     auto = methods.resolve_methods(["auto"], runner.PROMPT_RESOURCES, 0)[0][1]
     record = methods.run_accelgen(auto, tiny_target, tokenizer, [5, 17, 923], draft_model=tiny_draft if with_draft else None,
                                   max_new_tokens=4, temperature=0, seed=0, options=auto.check_options({}))
@@ -315,59 +318,35 @@ def test_weight_format_variants_and_llamacpp_rows_are_parsed():
     assert by_name["llamacpp"].source == "llamacpp" and by_name["llamacpp"].weights == "gguf"
     with pytest.raises(ValueError, match="unknown weights format"):
         methods.resolve_methods(["pld@weights=int3"], set(), 0)
-    with pytest.raises(ValueError, match="its own weight format"):
-        methods.resolve_methods(["llamacpp@weights=int8"], set(), 0)
-    with pytest.raises(ValueError, match="needs draft_model"):
-        methods.resolve_methods(["llamacpp-draft"], set(), 0)
 
 
 def test_rows_in_their_own_format_are_checked_against_that_formats_autoregressive(tmp_path, prompts_file, tiny_target,
                                                                                 tokenizer, monkeypatch):
-    """weights=int8 rows run a quantized copy of the target and are compared with autoregressive@weights=int8."""
+    """weights=int8 rows run a quantized copy of the target (loaded once, shared by the rows of that format) and are
+    compared with autoregressive@weights=int8; draft_weights=int4 gives a row's draft a format of its own."""
     from accelgen.models.formats import quantize
 
-    def load_quantized(name, dtype=None, weights=None, threads=None):
+    assert "weights" in inspect.signature(accelgen.load_model).parameters
+    loaded = []
+
+    def load_quantized(name, dtype=None, weights=None, threads=None):  # "tiny" is no model name: quantize a copy
+        loaded.append((name, weights))
         model = copy.deepcopy(tiny_target)
         quantize(model, weights)
         return model, tokenizer
 
     monkeypatch.setattr(runner.accelgen, "load_model", load_quantized)
     results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_target,
-                             methods=["autoregressive", "autoregressive@weights=int8", "speculative@weights=int8"])
+                             methods=["autoregressive", "autoregressive@weights=int8", "speculative@weights=int8",
+                                      "speculative@weights=int8+draft_weights=int4"])
+    assert loaded == [("tiny", "int8"), ("tiny", "int4")]
     overall = results["aggregates"]["overall"]
     assert overall["speculative@weights=int8"]["weights"] == "int8"
+    assert overall["speculative@weights=int8"]["draft_weights"] == "fp32"
+    assert overall["speculative@weights=int8+draft_weights=int4"]["draft_weights"] == "int4"
+    assert overall["speculative@weights=int8+draft_weights=int4"]["identical"] == 2  # the draft's format never matters
     assert overall["speculative@weights=int8"]["reference"] == "autoregressive@weights=int8"
     assert overall["speculative@weights=int8"]["identical"] == 2
     assert overall["speculative@weights=int8"]["format_speedup_total"] is not None
     report_text = (out_dir / "report.md").read_text()
-    assert "CPU flags" in report_text and "vs autoregressive, same weights" in report_text
-
-
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("xllamacpp"),
-                    reason="llama.cpp rows need `pip install 'accelgen[llamacpp]'`")
-def test_llamacpp_peers_run_the_same_prompt_tokens_greedily(tokenizer):
-    from accelgen.bench.llamacpp import LlamaCppPeers
-    from accelgen.generate import encode_prompt
-    from accelgen.models.llamacpp import load_llamacpp
-
-    prompt_ids = encode_prompt(tokenizer, [{"role": "user", "content": "Name three colours."}])
-    peers = LlamaCppPeers("smollm2-135m", "smollm2-135m", threads=2)
-    plain = peers.run("llamacpp", prompt_ids, 12)
-    assert plain["new_tokens"] == len(plain["token_ids"]) <= 12 and plain["seconds"] > 0
-    assert peers.run("llamacpp", prompt_ids, 12)["token_ids"] == plain["token_ids"]  # greedy: deterministic
-    # the same tokens accelgen's llama.cpp runner decodes from the same file and prompt ids
-    model, gguf_tokenizer = load_llamacpp("smollm2-135m", threads=2)
-    ours = accelgen.generate(model, gguf_tokenizer, prompt_ids, max_new_tokens=12)
-    assert ours.token_ids == plain["token_ids"]
-    drafted = peers.run("llamacpp-draft", prompt_ids, 12)  # the model drafting for itself
-    assert drafted["token_ids"] == plain["token_ids"] and drafted["accepted_draft_tokens"] > 0
-    assert peers.run("llamacpp-ngram", prompt_ids, 12)["token_ids"] == plain["token_ids"]
-    eos = peers.run("llamacpp", encode_prompt(tokenizer, [{"role": "user", "content": "Say only: yes"}]), 64)
-    assert eos["finish_reason"] == "stop" and eos["new_tokens"] < 64
-
-
-def test_llamacpp_rows_need_a_gguf_file():
-    from accelgen.bench.llamacpp import make_server
-
-    with pytest.raises(ValueError, match="GGUF"):
-        make_server("llamacpp", "some/hf-folder", None, threads=2)
+    assert "flags:" in report_text and "vs autoregressive, same weights" in report_text

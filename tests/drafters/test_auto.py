@@ -1,5 +1,6 @@
 """`auto`: delegates to the calibrated (or default) method, stays lossless, explains its choice."""
 
+import copy
 import json
 
 import pytest
@@ -13,13 +14,48 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = [5, 17, 923, 4410, 77, 12, 5, 17, 923]
 
 
-def test_uncalibrated_auto_falls_back_and_says_why(tiny_target, tokenizer, assert_lossless):
-    with_draft = assert_lossless(tiny_target, tokenizer, PROMPT, "auto", 24, draft_model=tiny_target)
-    assert with_draft.stats["choice"]["method"] == "speculative"
-    assert with_draft.stats["choice"]["options"] == {"gamma_schedule": "cost"}
-    assert "not calibrated" in with_draft.stats["choice"]["reason"]
+# r(k) of the 1.5B in bf16: on an AVX2-only EPYC (measured), and on a CPU with native bf16 matrix units
+AVX2 = {1: 1.0, 2: 1.64, 4: 2.8, 8: 5.9, 16: 11.5}
+NATIVE_BF16 = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.15, 16: 1.47}
+LINEAR = {1: 1.0, 16: 16.0}
+FLAT = {1: 1.0, 16: 1.0}
+
+
+@pytest.fixture
+def cheap_draft(tiny_target):
+    """The target's own weights (its drafts are always right), under another name: timed as a draft model."""
+    draft = copy.deepcopy(tiny_target)
+    draft.config._name_or_path = "cheap-draft"
+    return draft
+
+
+@pytest.mark.parametrize("ratios, with_draft, without_draft", [
+    (FLAT, "speculative", "pld"),
+    (NATIVE_BF16, "speculative", "pld"),
+    (AVX2, "autoregressive", "autoregressive"),  # c = 0.3 and r(2) = 1.64: not even free drafts pay at α = 0.6
+    (LINEAR, "autoregressive", "autoregressive"),
+])
+def test_uncalibrated_auto_chooses_by_the_measured_costs_and_says_why(measured_costs, tiny_target, cheap_draft,
+                                                                     tokenizer, assert_lossless, ratios, with_draft,
+                                                                     without_draft):
+    measured_costs({tiny_target: (0.2, ratios), cheap_draft: (0.06, ratios)})  # c = 0.3
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "auto", 24, draft_model=cheap_draft)
+    choice = result.stats["choice"]
+    assert choice["method"] == with_draft and "not calibrated" in choice["reason"] and "c = 0.30" in choice["reason"]
+    if with_draft == "speculative":
+        assert choice["options"] == {"gamma_schedule": "cost"} and "predicted" in choice["reason"]
+        assert result.stats["draft_tokens"] > 0
+    else:
+        assert "no draft length pays" in choice["reason"] and result.stats["draft_tokens"] == 0
     alone = assert_lossless(tiny_target, tokenizer, PROMPT, "auto", 24)
-    assert alone.stats["choice"]["method"] == "pld"
+    assert alone.stats["choice"]["method"] == without_draft
+
+
+def test_uncalibrated_auto_takes_prompt_lookup_where_only_free_drafts_pay(measured_costs, tiny_target, cheap_draft,
+                                                                          tokenizer, assert_lossless):
+    measured_costs({tiny_target: (0.2, NATIVE_BF16), cheap_draft: (0.2, NATIVE_BF16)})  # c = 1: the draft is as slow
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "auto", 24, draft_model=cheap_draft)
+    assert result.stats["choice"]["method"] == "pld" and "prompt lookup" in result.stats["choice"]["reason"]
 
 
 def test_saved_choice_is_used_per_draft_and_workload(make_tiny_model, tokenizer, greedy, tmp_path):
@@ -47,6 +83,18 @@ def test_calibration_times_every_candidate_and_picks_the_fastest(make_tiny_model
     fastest = max(result["table"], key=lambda row: row["speedup"])
     assert (result["method"], result["options"]) == (fastest["method"], fastest["options"])
     assert result["table"][0]["method"] == "autoregressive" and result["table"][0]["speedup"] == 1.0
-    assert "fastest of" in result["reason"]
+    assert ("no candidate beat plain decoding" if result["method"] == "autoregressive" else "fastest of") in result["reason"]
     assert [row["method"] for row in tune_auto(model, tokenizer, [PROMPT], max_new_tokens=4)["table"]] == \
         [method for method, _ in candidates(False)]
+
+
+def test_calibration_keeps_plain_decoding_when_nothing_beats_it(make_tiny_model, tokenizer, monkeypatch):
+    import accelgen.tune
+
+    def timed(model, tokenizer, prompts, max_new_tokens, method, **options):  # every candidate slower than plain
+        return (1.0, 1.0) if method == "autoregressive" else (1.25, 2.0)
+
+    monkeypatch.setattr(accelgen.tune, "seconds_per_token", timed)
+    result = tune_auto(make_tiny_model("qwen2"), tokenizer, [PROMPT], max_new_tokens=4)
+    assert result["method"] == "autoregressive" and result["options"] == {}
+    assert result["reason"].startswith("no candidate beat plain decoding") and "0.80×" in result["reason"]

@@ -1,9 +1,10 @@
+import pytest
 import torch
 
 import accelgen
 from accelgen.draft import Draft, Verdict
-from accelgen.costs import PROBE_EVERY
-from accelgen.drafters.draft_model import CostEstimate, DraftModelDrafter
+from accelgen.costs import DraftBudget, probe_interval
+from accelgen.drafters.draft_model import DraftModelDrafter, scheduled
 from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig
 
@@ -30,32 +31,36 @@ LINEAR = {1: 1.0, 32: 32.0}  # every verified token costs a whole forward (compu
 
 
 def test_cost_schedule_picks_the_gamma_the_theory_predicts_best():
-    costs = CostEstimate(FLAT)
-    assert costs.best_gamma(5, 16) == 5  # nothing measured yet: keep the starting gamma
-    costs.draft_seconds, costs.target_seconds = 0.01, 0.2  # c = 0.05
-    costs.acceptance.accepted, costs.acceptance.rejections = 38, 9  # α = 39 / 49 ≈ 0.8 (Laplace)
-    assert costs.best_gamma(5, 16) == 8  # see tests/test_theory.py
-    costs.acceptance.accepted, costs.acceptance.rejections = 0, 20
-    assert costs.best_gamma(5, 16) == 0  # α ≈ 0.05: no draft pays, decode plainly
+    budget = DraftBudget(FLAT, cost_ratio=0.05)
+    budget.acceptance.accepted, budget.acceptance.rejections = 38, 9  # α = 39 / 49 ≈ 0.8 (Laplace)
+    assert budget.limit() == 8  # see tests/test_theory.py
+    budget.acceptance.accepted, budget.acceptance.rejections = 0, 20
+    assert budget.limit() == 0  # α ≈ 0.05: no draft pays, decode plainly
 
 
 def test_cost_schedule_falls_back_to_plain_decoding_when_verification_costs_as_much_as_decoding():
-    costs = CostEstimate(LINEAR)
-    costs.draft_seconds, costs.target_seconds = 0.01, 0.2
-    costs.acceptance.accepted, costs.acceptance.rejections = 38, 9  # α ≈ 0.8: still nothing pays when r(k) = k
-    chosen = [costs.best_gamma(5, 16) for _ in range(PROBE_EVERY)]
-    assert chosen[:-1] == [0] * (PROBE_EVERY - 1) and chosen[-1] == 1  # one probe step keeps α measured
+    budget = DraftBudget(LINEAR, cost_ratio=0.05)
+    budget.acceptance.accepted, budget.acceptance.rejections = 38, 9  # α ≈ 0.8: still nothing pays when r(k) = k
+    interval = probe_interval(0.05 + LINEAR[1] + 1 - 1)  # a rejected probe costs c + r(2) − 1 steps
+    chosen = [budget.limit() for _ in range(interval)]
+    assert chosen[:-1] == [0] * (interval - 1) and chosen[-1] == 1  # one probe step keeps α measured
 
 
-def test_cost_schedule_measures_as_it_goes(tiny_target, tiny_draft):
-    drafter = DraftModelDrafter(tiny_draft, GREEDY, None, gamma=4, gamma_schedule="cost", max_gamma=6, verify_ratio=FLAT)
+def test_cost_schedule_measures_as_it_goes(measured_costs, tiny_target, tiny_draft):
+    measured_costs({tiny_target: (0.2, FLAT), tiny_draft: (0.01, FLAT)})  # c = 0.05
+    drafter = scheduled(DraftModelDrafter(tiny_draft, GREEDY, None, gamma_schedule="cost", max_gamma=6),
+                        tiny_target, tiny_draft)
+    assert drafter.draft_budget.cost_ratio == pytest.approx(0.05) and drafter.draft_budget.max_length == 6
     context = torch.tensor(PROMPT)
-    for step in range(3):
+    lengths = []
+    for step in range(4):
         draft = drafter.propose(context, max_nodes=8)
+        lengths.append(len(draft))
         drafter.update(draft, Verdict([], 7), None)  # every draft rejected
         context = torch.cat([context, torch.tensor([7])])
-    assert drafter.costs.draft_seconds > 0 and drafter.costs.target_seconds > 0
-    assert drafter.costs.acceptance.rejections > 1 and drafter.gamma == 0  # rejected twice: drafting stopped
+    assert lengths[0] == 4 and lengths[-1] == 0  # γ = 4 at the prior α 0.6 and c = 0.05; none once rejected
+    assert drafter.draft_budget.cost_ratio != pytest.approx(0.05)  # c followed the steps' timings
+    assert drafter.draft_budget.acceptance.alpha < 0.4  # from the prior 0.6, after two rejected drafts
 
 
 def test_draft_cache_forgets_rejected_tokens(tiny_target, tiny_draft):

@@ -35,11 +35,12 @@ def test_verification_starts_drafted_tokens_above_the_exit(make_tiny_model):
     logits = runner.forward(tokens)
     assert lower[-1] == 1  # only the last draft token, never fed to the draft, goes through the lower layers
     assert upper == [len(tokens)]
-    torch.testing.assert_close(logits, reference.forward(tokens))
+    # the lower layers ran 1-row products where the reference ran 9 rows at once: fp32 rounding differs slightly
+    torch.testing.assert_close(logits, reference.forward(tokens), atol=1e-4, rtol=1e-4)
     runner.keep(len(PROMPT), [0, 1])  # the first draft token accepted: all layers hold the same positions again
     reference.keep(len(PROMPT), [0, 1])
     assert runner.length == runner.lower_length == len(PROMPT) + 2 and runner.exit_states is None
-    torch.testing.assert_close(runner.forward(torch.tensor([9])), reference.forward(torch.tensor([9])))
+    torch.testing.assert_close(runner.forward(torch.tensor([9])), reference.forward(torch.tensor([9])), atol=1e-4, rtol=1e-4)
 
 
 def test_a_verified_token_the_draft_never_fed_is_not_fed_again(four_layers):

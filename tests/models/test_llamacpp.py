@@ -124,3 +124,24 @@ def test_clear_errors_for_what_the_engine_cannot_do(gguf_model, tokenizer, tmp_p
         gguf_model.new_runner().keep_hidden = True
     with pytest.raises(FileNotFoundError):
         LlamaCppModel(tmp_path / "missing.gguf")
+
+
+def test_server_engine_batches_llamacpp_sequences(gguf_model, tokenizer, baselines):
+    """The server's engine runs requests on the llama.cpp engine side by side (each its own context), each
+    getting what it gets alone."""
+    from accelgen.generate import GenerationResult, Sequence
+    from accelgen.server.engine import Engine, Request
+
+    engine = Engine(max_batch=4)
+    results = {}
+    for index, (prompt, method) in enumerate(zip(PROMPTS, ["pld", "speculative"])):
+        extra = {"draft_model": gguf_model} if method == "speculative" else {}
+        sequence = Sequence.start(gguf_model, tokenizer, prompt, method=method, max_new_tokens=40, **extra)
+        engine.submit(Request(sequence, lambda event, index=index: isinstance(event, GenerationResult)
+                              and results.__setitem__(index, event)))
+    for _ in range(200):
+        if not engine.load:
+            break
+        engine.step()
+    for index, prompt in enumerate(PROMPTS):
+        assert_same_or_near_tie(gguf_model, tokenizer, prompt, results[index].token_ids, baselines[index])

@@ -4,7 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from accelgen.costs import SIZES, probe_interval
 from accelgen.server.speculation import ForwardCosts, Goodput, TokenBudget, best_draft_length, calibrate
+
+AVX2 = {1: 1.0, 2: 1.64, 4: 2.8, 8: 5.9, 16: 11.5}  # r(k) of the 1.5B in bf16 on an AVX2-only EPYC
+NATIVE_BF16 = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.15, 16: 1.47}  # ... and on a CPU with native bf16 matrix units
 
 
 def linear(per_row: float, fixed: float = 0.0):
@@ -46,10 +50,28 @@ def test_forward_costs_interpolate_and_follow_measurements():
         ForwardCosts({1: {}})
 
 
-def test_calibrate_times_real_batched_forwards(tiny_target):
-    costs = calibrate(tiny_target, max_batch=3, widths=(1, 4), context_tokens=16, repeats=1)
-    assert sorted(costs.seconds) == [1, 2, 3] and all(sorted(widths) == [1, 4] for widths in costs.seconds.values())
-    assert all(seconds > 0 for widths in costs.seconds.values() for seconds in widths.values())
+def test_calibration_is_measured_once_per_model_and_machine_then_cached(measured_costs, tiny_target):
+    measured = measured_costs({tiny_target: (0.1, AVX2)})
+    costs = calibrate(tiny_target, max_batch=3, widths=(1, 4))
+    assert sorted(costs.seconds) == [1, 2, 3] and all(sorted(costs.seconds[b]) == [1, 4] for b in (2, 3))
+    assert set(costs.seconds[1]) == set(SIZES) | {4}  # batch 1 also serves the requests' own budgets: r(k)
+    assert costs(3, 4) == pytest.approx(3 * 0.1 * 2.8)
+    assert len(measured) == 3
+    calibrate(tiny_target, max_batch=3, widths=(1, 4))  # the next start of the server: from the cache
+    assert len(measured) == 3
+
+
+@pytest.mark.parametrize("ratios, expected", [
+    ({1: 1.0, 16: 16.0}, 0),  # r(k) = k: no draft ever pays
+    (AVX2, 0),  # α 0.5 does not pay for r(2) = 1.64
+    (NATIVE_BF16, 3),  # nearly free verification: E(0.5, 3) = 1.875 at r(4) = 1
+    ({1: 1.0, 16: 1.0}, 8),  # free verification: the longest draft
+])
+def test_goodput_on_the_cached_costs_of_each_kind_of_cpu(measured_costs, tiny_target, ratios, expected):
+    measured_costs({tiny_target: (0.1, ratios)})
+    policy = Goodput(calibrate(tiny_target, max_batch=1), max_draft=8)
+    length = policy.draft_length([fake_request("pld")])  # α = 0.5 before anything is verified
+    assert length == expected
 
 
 def fake_request(method: str, with_draft_model: bool = False):
@@ -73,8 +95,9 @@ def test_goodput_learns_acceptance_per_request_and_per_method():
 def test_goodput_probes_while_it_does_not_draft():
     policy = Goodput(ForwardCosts({1: {1: 1.0, 2: 2.0}}), max_draft=4)  # drafting never pays
     request = fake_request("speculative", with_draft_model=True)
-    lengths = [policy.draft_length([request]) for _ in range(2 * Goodput.PROBE_EVERY)]
-    assert lengths.count(1) == 2 and lengths.count(0) == 2 * Goodput.PROBE_EVERY - 2
+    interval = probe_interval(2.0 / 1.0 - 1)  # a probe costs t(1, 2) / t(1, 1) − 1 steps if rejected
+    lengths = [policy.draft_length([request]) for _ in range(2 * interval)]
+    assert lengths.count(1) == 2 and lengths.count(0) == 2 * interval - 2
 
 
 def test_goodput_measures_target_and_draft_rounds():
