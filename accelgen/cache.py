@@ -24,7 +24,8 @@ def cache_keyword(module: torch.nn.Module) -> str:
 
 @lru_cache(maxsize=None)
 def _cache_keyword(module_type: type) -> str:
-    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
+    call = getattr(module_type, "forward", None) or module_type.__call__  # a stand-in model may define only __call__
+    return "cache" if "cache" in inspect.signature(call).parameters else "past_key_values"
 
 
 def new_cache(config) -> DynamicCache:

@@ -41,8 +41,12 @@ DRAFT_WEIGHTS_OPTION = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_
 def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] = None):
     from accelgen.models import load_model
 
-    with console.status(f"loading {name}{f' ({weights})' if weights else ''} …"):
-        return load_model(name, dtype=dtype, weights=weights)
+    try:
+        with console.status(f"loading {name}{f' ({weights})' if weights else ''} …"):
+            return load_model(name, dtype=dtype, weights=weights)
+    except (ValueError, OSError) as error:  # no such model, a format it cannot run, a hub it cannot reach
+        console.print(f"[red]error:[/red] cannot load {name!r}: {error}")
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -97,6 +101,8 @@ def generate(
             result = chunks.result
         else:
             result = accelgen.generate(target_model, tokenizer, request, **kwargs)
+    except typer.Exit:  # already reported (a model that cannot be loaded); typer's Exit is a RuntimeError
+        raise
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2)
@@ -187,6 +193,25 @@ def models(
     table_console().print(f"this machine: {flags_text(describe())}; weights=auto measures each format once per "
                           "machine and model (--weights auto on any command)")
     table_console().print(f"cache folder: {cache_dir()} (set ACCELGEN_CACHE to move it)")
+
+
+@app.command()
+def advise(
+    model: str = typer.Option("qwen2.5-coder-1.5b", "--model", "-m", help="Embedded name, HF id, local folder or .gguf file."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also choose its format."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Which weight format and method to use on this machine: each format timed once (cached), then what
+    `auto` picks from the costs measured in the chosen formats. Prints Markdown (the README's section)."""
+    from accelgen.advice import advice_markdown, advise as measure_advice
+
+    try:
+        advice = measure_advice(model, draft, threads)
+    except (ValueError, OSError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from None
+    print(json.dumps(advice, indent=1) if as_json else advice_markdown(advice))
 
 
 from accelgen.bench.cli import register as _register_bench  # noqa: E402

@@ -47,6 +47,14 @@ def test_generate_errors_are_clear():
     assert result.exit_code == 2 and "name=value" in result.output
 
 
+def test_a_model_that_is_not_there_is_named(tmp_path):
+    for missing, message in ((tmp_path / "no-folder", "no model at"), (tmp_path / "model.gguf", "GGUF file not found")):
+        for command in (["generate", "-m", str(missing), "hello"], ["profile", "-m", str(missing)]):
+            result = runner.invoke(app, command)
+            output = " ".join(result.output.split())  # the console wraps long lines
+            assert result.exit_code == 2 and message in output and "Traceback" not in output
+
+
 def test_readme_method_table_is_the_registry():
     """The README's method table is `accelgen methods --markdown`: regenerate it when methods change."""
     from pathlib import Path

@@ -161,6 +161,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_weights(weights)
+    check_source(name_or_path)
     if weights == "auto":
         from accelgen.models.probe import choose_weights
 
@@ -183,10 +184,7 @@ def load_model(
         folder = prepare_embedded(name_or_path)
         torch_dtype = torch_dtype or torch.bfloat16
     elif name_or_path.endswith(".gguf"):
-        path = Path(name_or_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        folder = prepare_gguf(path)
+        folder = prepare_gguf(Path(name_or_path).expanduser())
         torch_dtype = torch_dtype or torch.bfloat16
     else:
         folder = name_or_path
@@ -199,6 +197,21 @@ def load_model(
         quantize_cached(model, weights, local_folder(str(folder)), compute_dtype)
     model.to(device).eval()
     return model, tokenizer
+
+
+def check_source(name_or_path: str) -> None:
+    """Refuse early, by name, a model that is none of an embedded name, a .gguf file, a folder or a hub id."""
+    path = Path(str(name_or_path)).expanduser()
+    if name_or_path in EMBEDDED_MODELS or path.is_dir():
+        return
+    if str(name_or_path).endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return
+    looks_like_path = path.is_absolute() or str(name_or_path).startswith((".", "~")) or path.exists()
+    if looks_like_path or str(name_or_path).count("/") > 1:
+        raise ValueError(f"no model at {name_or_path!r}: give an embedded name ({', '.join(EMBEDDED_MODELS)}), "
+                         "a model folder, a .gguf file or a hub id")
 
 
 def local_folder(name_or_path: str) -> Path | None:

@@ -1,0 +1,68 @@
+"""`accelgen advise`: which weight format and which method to use on this machine, decided by measuring it.
+
+Nothing here is a rule of thumb: the format table is the probe behind `weights="auto"` (accelgen/models/probe.py,
+t(1) and t(8) per format), and the method is what `auto` picks uncalibrated from the costs measured in the
+chosen formats (accelgen/costs.py, accelgen/drafters/auto.py). Both are measured once per machine and cached,
+so a second call prints at once. `advice_markdown` renders the README's section of the same name.
+"""
+
+from __future__ import annotations
+
+from accelgen import hardware
+
+ASSUMED_TOKENS_PER_VERIFY = 3.0  # what an 8-token verification yields with a useful draft (τ of the benchmarks)
+
+
+def advise(model: str, draft: str | None = None, threads: int | None = None) -> dict:
+    """{"machine", "model", "draft", "target", "draft_choice", "method"}: what weights="auto" picks for the target
+    (and draft), with the timings, and the method `auto` picks uncalibrated in those formats, with its reason."""
+    from accelgen.drafters.auto import uncalibrated_choice
+    from accelgen.models.loading import check_source, load_model
+    from accelgen.models.probe import choose_weights
+
+    for name in (model, draft):
+        if name:
+            check_source(name)  # before any format is probed
+    target = choose_weights(model, threads)
+    draft_choice = choose_weights(draft, threads) if draft else None
+    target_model, _ = load_model(model, weights=target["weights"], threads=threads)
+    draft_model = load_model(draft, weights=draft_choice["weights"], threads=threads)[0] if draft else None
+    return {"machine": hardware.describe(threads), "model": model, "draft": draft, "target": target,
+            "draft_choice": draft_choice, "method": uncalibrated_choice(target_model, draft_model)}
+
+
+def format_rows(timings: dict[str, dict]) -> list[dict]:
+    """Per format, fastest plain decoding first: t(1), t(8) in ms, r(8) and tokens/s, plain and with a draft whose
+    8-token verification yields ASSUMED_TOKENS_PER_VERIFY tokens (the better of the two, as the budget falls back)."""
+    rows = [{"weights": fmt, "t1_ms": t["t1"] * 1000, "t8_ms": t["t8"] * 1000, "r8": t["t8"] / t["t1"],
+             "plain_tps": 1 / t["t1"], "drafted_tps": max(1 / t["t1"], ASSUMED_TOKENS_PER_VERIFY / t["t8"])}
+            for fmt, t in timings.items()]
+    return sorted(rows, key=lambda row: -row["plain_tps"])
+
+
+def advice_markdown(advice: dict) -> str:
+    """The README section: the machine, the measured format table, the choices and the command to run."""
+    model, draft, method = advice["model"], advice["draft"], advice["method"]
+    target_weights = advice["target"]["weights"]
+    lines = [
+        f"Measured by `accelgen advise --model {model}" + (f" --draft {draft}" if draft else "") + "` on "
+        f"{hardware.flags_text(advice['machine'])}, {advice['machine']['torch_threads']} threads.",
+        "",
+        f"| weights | t(1) ms | t(8) ms | r(8) = t(8)/t(1) | tokens/s, plain | tokens/s, drafts yielding "
+        f"{ASSUMED_TOKENS_PER_VERIFY:g} per verification |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in format_rows(advice["target"]["timings"]):
+        lines.append(f"| {row['weights']} | {row['t1_ms']:.0f} | {row['t8_ms']:.0f} | {row['r8']:.2f} | "
+                     f"{row['plain_tps']:.1f} | {row['drafted_tps']:.1f} |")
+    lines += ["", f"- **Target format**: `weights=auto` picks `{target_weights}` for {model}."]
+    if draft:
+        draft_choice = advice["draft_choice"]
+        speeds = ", ".join(f"{row['weights']} {row['plain_tps']:.1f}" for row in format_rows(draft_choice["timings"]))
+        lines.append(f"- **Draft format**: `{draft_choice['weights']}` for {draft} (tokens/s: {speeds}).")
+    lines.append(f"- **Method**: uncalibrated, `auto` picks `{method['method']}`: {method['reason']}.")
+    command = f"accelgen generate -m {model} --weights {target_weights}"
+    if draft:
+        command += f" -d {draft} --draft-weights {advice['draft_choice']['weights']}"
+    lines += ["", "```bash", f"{command} --method auto \"...\"", "```"]
+    return "\n".join(lines) + "\n"
