@@ -157,7 +157,8 @@ class DraftBudget:
       towards each typical step's timing (`observe`); model-free drafts are taken to cost nothing (c = 0);
     - α: AcceptanceEstimate from PRIOR_ALPHA, then each verified draft.
     While no length pays, every probe_interval-th step drafts one token anyway (costing at most PROBE_COST of
-    the decoding time), so α keeps being measured and drafting resumes where the text becomes easy to draft.
+    the decoding time), so α keeps being measured and drafting resumes where the text becomes easy to draft;
+    unless no length would pay even with every token accepted (`could_pay`): then it never drafts.
 
     fixed_nodes: nodes every draft carries besides its γ tokens, that are verified but not drafted to be
     accepted (lookahead decoding's window): a step verifies γ + fixed_nodes + 1 tokens, and its limit includes
@@ -167,6 +168,7 @@ class DraftBudget:
     def __init__(self, verify_ratio: dict[int, float], cost_ratio: float = 0.0, max_length: int = MAX_DRAFT, *,
                  learn_cost: bool = True, fixed_nodes: int = 0, prior_alpha: float = PRIOR_ALPHA):
         self.verify_ratio = partial(interpolate, verify_ratio)  # tokens per forward -> r
+        self.longest_measured = max(verify_ratio)  # tokens per forward; r(k) beyond it is extrapolated
         self.cost_ratio = cost_ratio
         self.learn_cost = learn_cost
         self.max_length = max_length
@@ -183,11 +185,19 @@ class DraftBudget:
         length = best_gamma(self.acceptance.alpha, self.cost_ratio, self.max_length, self.step_ratio, MIN_GAIN)
         if length == 0 and self.max_length > 0:
             self.plain_steps += 1
-            if self.plain_steps < probe_interval(self.cost_ratio + self.step_ratio(2) - 1):
+            if self.plain_steps < probe_interval(self.cost_ratio + self.step_ratio(2) - 1) or not self.could_pay():
                 return 0
             length = 1
         self.plain_steps = 0
         return length + self.fixed_nodes if length else 0
+
+    def could_pay(self) -> bool:
+        """Whether some draft length would pay were every drafted token accepted, judged only where r(k) was
+        measured (an extrapolated r of a 32-token forward is no evidence). If none would (verifying costs about a
+        forward per token, or drafting is dear), no probe is made: α cannot change the answer, and a draft model
+        would first have to read every token it missed."""
+        measured_length = min(self.max_length, self.longest_measured - 1 - self.fixed_nodes)
+        return best_gamma(1.0, self.cost_ratio, measured_length, self.step_ratio, MIN_GAIN) > 0
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float | None = None,
                 step_seconds: float | None = None) -> None:

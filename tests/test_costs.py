@@ -79,6 +79,18 @@ def test_budget_learns_acceptance_and_probes_when_nothing_pays():
     assert budget.limit() >= 2
 
 
+def test_no_probes_where_even_a_perfect_draft_would_not_pay():
+    # llama.cpp's Q4_K 1.5B on a 2-core AVX-512 EPYC (measured): r(2) = 2.4, and a 0.5B draft at c = 0.57
+    gguf = {1: 1.0, 2: 2.38, 3: 2.25, 4: 2.89, 6: 4.12, 8: 6.07, 12: 7.83, 16: 8.5}
+    with_draft = DraftBudget(gguf, cost_ratio=0.57, max_length=32)
+    assert not with_draft.could_pay()  # though r(33) extrapolated from r(12) and r(16) would let 32 tokens pay
+    assert [with_draft.limit() for _ in range(10 * probe_interval(0.57 + 2.38 - 1))] == [0] * 10 * probe_interval(1.95)
+    model_free = DraftBudget(gguf)  # free drafts of 16 accepted tokens would pay (17 / 8.5): keep probing
+    assert model_free.could_pay()
+    assert 1 in [model_free.limit() for _ in range(probe_interval(gguf[2] - 1))]
+    assert not DraftBudget(LINEAR).could_pay()
+
+
 def test_budget_follows_the_measured_drafting_cost():
     budget = DraftBudget(NATIVE_BF16, cost_ratio=0.05)
     long = budget.limit()
