@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
-from accelgen.registry import parse_option_value
+from accelgen.registry import option_types, parse_option_value
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster generation for Hugging Face causal LMs.")
 console = Console(stderr=True)
@@ -23,29 +23,33 @@ def table_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def parse_options(pairs: list[str]) -> dict:
-    """['gamma=8', 'gamma_schedule=heuristic'] -> {'gamma': 8, 'gamma_schedule': 'heuristic'} (values as JSON if they parse)."""
+def parse_options(pairs: list[str], defaults: dict) -> dict:
+    """['gamma=8', 'gamma_schedule=heuristic'] -> {'gamma': 8, 'gamma_schedule': 'heuristic'}: values as JSON if
+    they parse to a value of the option's type (given by its default in `defaults`), else as text."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"method option {pair!r} must look like name=value")
-        options[key.replace("-", "_")] = parse_option_value(value)
+        key = key.replace("-", "_")
+        options[key] = parse_option_value(value, option_types(key, defaults[key]) if key in defaults else None)
     return options
 
 
 WEIGHTS_OPTION = typer.Option(None, "--weights", help=WEIGHTS_HELP)
 DRAFT_WEIGHTS_OPTION = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP)
+THREADS_OPTION = typer.Option(None, min=1, help="torch CPU threads (default: torch's).")
 
 
 def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] = None):
-    from accelgen.models import load_model
+    from accelgen.models import EMBEDDED_MODELS, load_model
 
     try:
         with console.status(f"loading {name}{f' ({weights})' if weights else ''} …"):
             return load_model(name, dtype=dtype, weights=weights)
     except (ValueError, OSError) as error:  # no such model, a format it cannot run, a hub it cannot reach
-        console.print(f"[red]error:[/red] cannot load {name!r}: {error}")
+        hint = "" if isinstance(error, ValueError) else f" (embedded models: {', '.join(EMBEDDED_MODELS)})"
+        console.print(f"[red]error:[/red] cannot load {name!r}: {error}{hint}")
         raise typer.Exit(2) from None
 
 
@@ -71,7 +75,7 @@ def generate(
     option: list[str] = typer.Option([], "--option", "-o", help="Method option name=value (repeatable), e.g. -o gamma=8."),
     as_json: bool = typer.Option(False, "--json", help="Print text, token_ids, finish_reason and stats as one JSON object."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is committed."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    threads: Optional[int] = THREADS_OPTION,
 ):
     """Generate text with one method and print it (with stats on stderr, or all of it as --json)."""
     import torch
@@ -84,7 +88,7 @@ def generate(
         prompt = sys.stdin.read()
     try:
         spec = accelgen.get_method(method)
-        options = spec.check_options({**parse_options(option), **({"heads": heads} if heads else {})})
+        options = spec.check_options({**parse_options(option, spec.options), **({"heads": heads} if heads else {})})
         if "draft_model" in spec.needs and draft is None:
             raise ValueError(f"method {method!r} needs a draft model: pass --draft")
         target_model, tokenizer = load_with_progress(model, dtype, weights)
@@ -199,7 +203,7 @@ def models(
 def advise(
     model: str = typer.Option("qwen2.5-coder-1.5b", "--model", "-m", help="Embedded name, HF id, local folder or .gguf file."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also choose its format."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Which weight format and method to use on this machine: each format timed once (cached), then what
@@ -241,13 +245,14 @@ app.add_typer(export_app, name="export")
 def export_vllm(
     head: str = typer.Argument(..., help="An EAGLE head folder (`accelgen train eagle --out ...`)."),
     out: str = typer.Option(..., "--out", "-o", help="Folder for the vLLM checkpoint (config.json, model.safetensors)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite config.json and model.safetensors already in --out."),
 ):
     """An EAGLE head in the checkpoint layout vLLM's speculative config loads (method "eagle")."""
     from accelgen.export import export_vllm_eagle
     from accelgen.train.cli import reported_errors
 
     with reported_errors():
-        written = export_vllm_eagle(head, out)
+        written = export_vllm_eagle(head, out, force=force)
     console.print(f"wrote {', '.join(path.name for path in written)} to {out}; in vLLM: LLM(model=TARGET, "
                   f"speculative_config={{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}})")
 
@@ -271,7 +276,7 @@ def profile(
                                                              "(the server's verification), e.g. 1,2,4,8."),
     remeasure: bool = typer.Option(False, "--remeasure", help="Measure the cached costs again (after a change "
                                                               "to the machine, its load or the libraries)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Forward costs: verification cost r(k), the draft's cost ratio c, and the predicted best γ.
@@ -368,7 +373,7 @@ def tune(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
     gamma: int = typer.Option(4, help="self-speculative: draft length while tuning."),
     seed: int = typer.Option(0),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = THREADS_OPTION,
 ):
     """Tune for a model on this machine: the layers self-speculative skips, or the method auto picks."""
     import torch
@@ -416,7 +421,7 @@ def calibrate(
     thresholds: str = typer.Option("0.99,0.95,0.9,0.8,0.7,0.6,0.5,0.4,0.3,0.2,0.1",
                                    help="Candidate thresholds, tested from the highest down."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = THREADS_OPTION,
 ):
     """Choose calm's threshold with Learn-then-Test: agreement with the full model within epsilon, with probability 1 − delta."""
     import torch

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
 from accelgen import hardware
+from accelgen.atomic import write_json_atomically
 from accelgen.draft import Draft
 from accelgen.models.batch import forward_alone
 from accelgen.profile import interpolate
@@ -120,11 +119,7 @@ def forward_seconds(model, batch: int = 1, sizes=SIZES, *, threads: int | None =
 
 def save_costs(path: Path, costs: dict) -> None:
     """Write atomically (a temporary file renamed over the old one): a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.stem, suffix=".partial", delete=False) as file:
-        json.dump(costs, file, indent=1)
-        file.write("\n")
-    os.replace(file.name, path)
+    write_json_atomically(path, costs)
 
 
 def verify_ratios(model, **measuring) -> dict[int, float]:

@@ -21,17 +21,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from accelgen.atomic import save_tensors_atomically, write_text_atomically
 from accelgen.train.eagle import NAME, EagleHead
 
+FILES = ("config.json", "model.safetensors")
 
-def export_vllm_eagle(head_folder, out) -> list[Path]:
-    """Write the head in head_folder as config.json + model.safetensors in out; returns the files written."""
-    from safetensors.torch import save_file
 
+def export_vllm_eagle(head_folder, out, force: bool = False) -> list[Path]:
+    """Write the head in head_folder as config.json + model.safetensors in out (each atomically); returns the files
+    written. Files already in out are refused (FileExistsError) unless force."""
     head_folder, out = Path(head_folder), Path(out)
     if not (head_folder / f"{NAME}.json").exists():
         found = "Medusa heads" if (head_folder / "medusa_heads.json").exists() else "no EAGLE head"
         raise ValueError(f"{head_folder} holds {found}; only EAGLE heads (`accelgen train eagle`) export to vLLM")
+    existing = [name for name in FILES if (out / name).exists()]
+    if existing and not force:
+        raise FileExistsError(f"{out} already holds {' and '.join(existing)}; pass --force to overwrite")
     head = EagleHead.load(head_folder).float()
     weights = {"fc.weight": head.fc.weight}
     weights.update({f"layers.0.{name}": tensor for name, tensor in head.layer.state_dict().items()})
@@ -40,8 +45,7 @@ def export_vllm_eagle(head_folder, out) -> list[Path]:
                   bias=False, tie_word_embeddings=False)
     config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)  # where older readers look
     config.pop("_attn_implementation_autoset", None)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.bfloat16().contiguous() for name, tensor in weights.items()}, out / "model.safetensors",
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
-    return [out / "config.json", out / "model.safetensors"]
+    save_tensors_atomically(out / "model.safetensors", {name: tensor.bfloat16() for name, tensor in weights.items()},
+                            metadata={"format": "pt"})
+    write_text_atomically(out / "config.json", json.dumps(config, indent=1, default=str) + "\n")
+    return [out / name for name in FILES]

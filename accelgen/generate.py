@@ -21,7 +21,7 @@ from accelgen.costs import budgeted
 from accelgen.draft import Draft, tree_attention
 from accelgen.models.batch import forward_alone
 from accelgen.models.runner import ModelRunner, runner_for
-from accelgen.registry import get_method
+from accelgen.registry import check_option, get_method
 from accelgen.sampling import SamplingConfig, logits_to_probs
 from accelgen.stopping import Output
 from accelgen.verify import verify_greedy, verify_speculative_sampling
@@ -31,6 +31,11 @@ from accelgen.verify import verify_greedy, verify_speculative_sampling
 # costs (accelgen/costs.py) predict fastest, down to none, so that speculation never loses to plain decoding
 # (drafters that already follow the measured costs, e.g. gamma_schedule="cost" or max_nodes="auto", keep theirs)
 DRAFT_BUDGETS = ("method", "measured")
+# the types generate()'s own arguments take (float: a finite number, an int too), checked as method options are
+ARGUMENT_TYPES = {"max_new_tokens": (int,), "temperature": (float,), "top_k": (int,), "top_p": (float,),
+                  "seed": (int, type(None))}
+ONE_PROMPT = ("generate() runs one prompt; batched prompts are not supported: call it once per prompt, or serve "
+              "them with `accelgen serve`, whose engine batches concurrent requests")
 
 
 @dataclass
@@ -182,6 +187,9 @@ class Sequence:
         options = spec.check_options(method_options)
         if "draft_model" in spec.needs and draft_model is None:
             raise ValueError(f"method {method!r} needs a draft model: pass draft_model= (CLI: --draft)")
+        arguments = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        for name, value in arguments.items():
+            check_option(name, value, ARGUMENT_TYPES[name])
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampling = SamplingConfig(temperature, top_k, top_p)
@@ -208,6 +216,8 @@ class Sequence:
         if attach is not None:
             attach(target)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(text, str) for text in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
         return cls(target, drafter, verify, prompt_ids, output, generator)
 
@@ -292,16 +302,24 @@ class Sequence:
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a text, id list/tensor or chat-message prompt; an empty prompt starts from BOS if there is one."""
+    """Token ids of a text, id list/tensor or chat-message prompt; an empty prompt starts from BOS if there is one.
+    Ids are never coerced: floats and bools are refused, not truncated, and so are several prompts at once."""
     if isinstance(prompt, torch.Tensor):
-        ids = prompt.reshape(-1).tolist()
+        ids = tensor_token_ids(prompt)
     elif isinstance(prompt, str):
         ids = tokenizer(prompt).input_ids if prompt else []
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
     elif isinstance(prompt, (list, tuple)):
-        ids = [int(t) for t in prompt]
+        try:  # a list of token ids, as Python, numpy or 0-d tensor integers; torch refuses ragged or text items
+            tensor = torch.tensor(prompt, dtype=None if prompt else torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"prompt must be one text, one list of token ids or one list of chat messages; "
+                             f"{ONE_PROMPT}") from None
+        if any(isinstance(token, bool) for token in prompt):
+            raise ValueError("prompt token ids must be integers, not bools")
+        ids = tensor_token_ids(tensor)
     else:
         raise TypeError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
     if not ids:
@@ -309,6 +327,17 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
             raise ValueError("empty prompt: this tokenizer has no BOS token to start from; give at least one token")
         ids = [tokenizer.bos_token_id]
     return ids
+
+
+def tensor_token_ids(prompt: torch.Tensor) -> list[int]:
+    """The ids of one prompt as a (L,) or (1, L) integer tensor (as a tokenizer returns it)."""
+    if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+        raise ValueError(f"prompt token ids must be integers, got {prompt.dtype} values")
+    if prompt.dim() == 2 and len(prompt) == 1:
+        prompt = prompt[0]
+    if prompt.dim() != 1:
+        raise ValueError(f"prompt token ids have shape {tuple(prompt.shape)}, not (L,) or (1, L): {ONE_PROMPT}")
+    return prompt.tolist()
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,7 +23,7 @@ class MethodSpec:
     summary: str
     make_drafter: Callable  # (target_model, *, draft_model, tokenizer, sampling, generator, **options) -> Drafter
     needs: tuple[str, ...] = ()  # e.g. ("draft_model",)
-    options: dict = field(default_factory=dict)  # option name -> default value
+    options: dict = field(default_factory=dict)  # option name -> default value, whose type the option takes (check_option)
     # (sampling, **options) -> verify(draft, target_logits, generator) -> Verdict, for a method with its own
     # verification rule; None: greedy match at temperature 0, speculative sampling otherwise
     make_verifier: Callable | None = None
@@ -48,20 +49,76 @@ LOOP_OPTIONS = ("draft_budget",)
 
 
 def merge_options(method: str, defaults: dict, options: dict) -> dict:
-    """Defaults overlaid with the user's options; unknown option names are an error (LOOP_OPTIONS pass through)."""
+    """Defaults overlaid with the user's options; unknown option names and values of the wrong type are an error
+    (LOOP_OPTIONS pass through)."""
     unknown = sorted(set(options) - set(defaults) - set(LOOP_OPTIONS))
     if unknown:
         known = ", ".join(sorted(defaults)) or "none"
         raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
+    for name, value in options.items():
+        if name in defaults:
+            check_option(f"{method}: {name}", value, option_types(name, defaults[name]),
+                         NUMBER_WORDS.get(name, ()))
     return {**defaults, **options}
 
 
-def parse_option_value(text: str):
-    """An option value written on the command line: JSON where it parses ('8', '[2, 2]', 'true'), else text."""
+# Options whose default is a word standing for a value chosen for the user take a word (the method checks which)
+# or a value of the type here: max_nodes / draft_length "auto" = sized each step by the measured costs
+# (accelgen/costs.py) or a count (lookahead's max_nodes also None: no cap); self-speculative's skip "tuned" (by
+# `accelgen tune`) or "default", or {"skip_attention": [...], "skip_mlp": [...]}; free's threshold "adaptive" or a
+# number. A new option with a word default takes words only until it is listed here.
+WORD_DEFAULT_TYPES = {"max_nodes": (int, type(None)), "draft_length": (int,), "skip": (dict,), "threshold": (float,)}
+# Number options that also take a word, as their methods document: calm's and ee-recompute's threshold="calibrated"
+# (saved by `accelgen calibrate calm`)
+NUMBER_WORDS = {"threshold": ("calibrated",)}
+
+
+def option_types(name: str, default) -> tuple[type, ...] | None:
+    """The types an option with this default takes (None: any; a None default is a path, an object or a structure
+    the method checks itself). float means any finite number (an int too)."""
+    if default is None:
+        return None
+    if isinstance(default, str):
+        return (str, *WORD_DEFAULT_TYPES.get(name, ()))
+    if isinstance(default, (list, tuple)):
+        return (list, tuple)
+    return (type(default),)  # bool, int, float, dict
+
+
+TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "text", list: "a list",
+              tuple: "a list", dict: "a mapping", type(None): "None"}
+
+
+def check_option(what: str, value, types: tuple[type, ...] | None, words: tuple[str, ...] = ()) -> None:
+    """A ValueError naming `what` for a value not of `types` (nor one of `words`): no silent coercion."""
+    if types is None or (isinstance(value, str) and value in words) or fits(value, types):
+        return
+    expected = list(dict.fromkeys(TYPE_NAMES.get(kind, kind.__name__) for kind in types)) + [repr(w) for w in words]
+    raise ValueError(f"{what} must be {' or '.join(expected)}, got {value!r}")
+
+
+def fits(value, types: tuple[type, ...]) -> bool:
+    """Whether value is of types, where bool is not a number (though Python says it is an int), an int is also a
+    float, and a float must be finite."""
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int):
+        return int in types or float in types
+    if isinstance(value, float):
+        return float in types and math.isfinite(value)
+    return isinstance(value, types)
+
+
+def parse_option_value(text: str, types: tuple[type, ...] | None = None):
+    """An option value written on the command line: JSON where it parses ('8', '[2, 2]', 'true'), else text; and
+    text too where the option takes words and JSON gives a value it does not take (`workload=2024` is a word)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError:
         return text
+    if types is not None and str in types and not fits(value, types):
+        return text
+    return value
 
 
 _METHODS: dict[str, MethodSpec] = {}

@@ -30,9 +30,14 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+# Below this, logits / temperature overflows float32 (max 3.4e38) into inf and nan for logits beyond 3.4e8; the
+# distribution is one-hot on the best token (ties aside) long before, so a smaller temperature samples as this one.
+MIN_TEMPERATURE = 1e-30
+
+
 def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """(..., vocab) logits -> (..., vocab) float32 probabilities after temperature, top-k and top-p."""
-    logits = logits.float() / config.temperature
+    logits = logits.float() / max(config.temperature, MIN_TEMPERATURE)
     if config.top_k and config.top_k < logits.shape[-1]:
         kth_best = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
@@ -41,7 +46,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the tokens ranked above it already reach top_p (the best token always stays)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= config.top_p, 0.0)
+        drop = mass_before >= config.top_p
+        drop[..., 0] = False  # also when top_p rounds to 0 in float32 (top_p 1e-300)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

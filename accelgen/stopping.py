@@ -11,12 +11,13 @@ class Output:
     def __init__(self, tokenizer, eos_token_ids: set[int], stop: list[str], max_new_tokens: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.stop = [s for s in stop if s]
+        self.stop = StopStrings([s for s in stop if s])
         self.max_new_tokens = max_new_tokens
         self.token_ids: list[int] = []
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
-        self._stop_at: int | None = None  # character offset of the stop string in the decoded text
         self._streamed_chars = 0
+        self._decoded_ids = 0  # how many tokens _decoded_text holds
+        self._decoded_text = ""
 
     @property
     def done(self) -> bool:
@@ -34,19 +35,21 @@ class Output:
         return self.done
 
     def _find_stop(self) -> int | None:
-        text = self._decoded()
-        hits = [text.find(s) for s in self.stop if s in text]
-        self._stop_at = min(hits) if hits else None
-        return self._stop_at
+        # an incomplete UTF-8 character decodes to U+FFFD until its last byte arrives: match settled text only
+        self.stop.feed(self._decoded().rstrip("\ufffd"))
+        return self.stop.found_at
 
     def _decoded(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self._decoded_ids != len(self.token_ids):
+            self._decoded_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            self._decoded_ids = len(self.token_ids)
+        return self._decoded_text
 
     @property
     def text(self) -> str:
         """The new text, cut before a stop string (the stop string itself is not part of the output)."""
         text = self._decoded()
-        return text if self._stop_at is None else text[: self._stop_at]
+        return text if self.stop.found_at is None else text[: self.stop.found_at]
 
     def stream_delta(self) -> str:
         """Text not yet streamed that can no longer change: incomplete UTF-8 and possible stop-string
@@ -55,11 +58,65 @@ class Output:
         if not self.done:
             if text.endswith("\ufffd"):
                 return ""
-            text = text[: len(text) - self._held_back(text)]
+            text = text[: len(text) - self.stop.held_back]
         delta = text[self._streamed_chars :]
         self._streamed_chars = max(self._streamed_chars, len(text))
         return delta
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest end of text that begins some stop string."""
-        return max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+class StopStrings:
+    """Stop strings matched as text arrives, in time linear in the text, whatever their length
+    (Knuth–Morris–Pratt): for each stop string, the length of its longest prefix that ends the text so far.
+
+    Trying every prefix of a stop string against the text's end instead costs O(len(stop)²) per token, which
+    one long stop string turns into seconds per token."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.failures = [prefix_function(stop) for stop in stops]  # O(len(stop)) once
+        self._restart()
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def _restart(self) -> None:
+        self.text = ""  # the text matched so far
+        self.matched = [0] * len(self.stops)  # per stop string: its longest prefix that ends self.text
+        self.found_at: int | None = None  # where the earliest stop string found begins
+
+    def feed(self, text: str) -> None:
+        """Match text, which extends the text fed before. A tokenizer may rewrite the end of a decoded text
+        (rarely: cleaning up spaces before punctuation); then matching starts over on the whole text."""
+        if not text.startswith(self.text):
+            self._restart()
+        start = len(self.text)
+        for k, (stop, failure) in enumerate(zip(self.stops, self.failures)):
+            matched = self.matched[k]
+            for i in range(start, len(text)):
+                char = text[i]
+                while matched and (matched == len(stop) or stop[matched] != char):
+                    matched = failure[matched - 1]
+                if stop[matched] == char:
+                    matched += 1
+                if matched == len(stop) and (self.found_at is None or i + 1 - matched < self.found_at):
+                    self.found_at = i + 1 - matched  # several found in one token: the earliest one cuts
+            self.matched[k] = matched
+        self.text = text
+
+    @property
+    def held_back(self) -> int:
+        """Characters at the end of the text that may begin a stop string: not final until the next tokens."""
+        return max((m for m, stop in zip(self.matched, self.stops) if m < len(stop)), default=0)
+
+
+def prefix_function(pattern: str) -> list[int]:
+    """failure[i]: the length of the longest proper prefix of pattern[: i + 1] that is also a suffix of it."""
+    failure = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = failure[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        failure[i] = k
+    return failure

@@ -10,10 +10,10 @@ saved beside the model's weights and `self-speculative` uses it from then on (sk
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Callable
 
+from accelgen.atomic import write_json_atomically
 from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
 from accelgen.generate import generate
 from accelgen.models.loading import beside_weights
@@ -124,5 +124,5 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
 def save_tuned_skip(model, result: dict):
     """Write the result beside the model's weights; returns the path."""
     path = beside_weights(model, SKIP_FILE, saving="the skip set")
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_json_atomically(path, result)
     return path

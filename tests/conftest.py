@@ -111,3 +111,30 @@ def tiny_target_windows(tiny_target, tokenizer):
     texts = [tokenizer.decode(prompt + accelgen.generate(tiny_target, tokenizer, [start] + prompt[1:],
                                                          max_new_tokens=40).token_ids) for start in range(5, 25)]
     return packed_windows(tokenizer, texts, seq_len=24, count=20)
+
+
+# Tolerances for two computations of the same values that sum in another order: a batched vs a single forward,
+# a block vs token by token, a tree vs a chain, with vs without a KV cache. The rounding differences scale with the
+# magnitude of the terms summed, not with each result (an element near zero is still a sum of terms as large as
+# the others'), so the tolerance is relative to the tensor's largest magnitude:
+# - float32 (eps 2^-23 ≈ 1.2e-7): a dot product of n terms summed in another order moves by ~sqrt(n)·eps relative,
+#   up to n·eps, compounded over the layers: 1.6-2.8e-6 measured on the tiny models (batched vs alone decoding).
+#   1e-4 leaves a wide margin for any CPU's kernels, while a real error (a wrong mask, position or cache row)
+#   moves values by about the magnitude itself.
+# - bfloat16 (eps 2^-8 ≈ 0.004, and every layer rounds its output to it): a one-ulp difference in a hidden state
+#   reaches the logits undamped; measured 2.2-3.5 eps on the 2-layer tiny models (11 on the 30 layers of SmolLM2),
+#   so 8 eps on tiny models only.
+REORDERED_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8 * 2.0 ** -8}
+
+
+def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    """actual equals expected up to the rounding of another summation order in `dtype` (the dtype the values were
+    computed in; logits come back as float32 either way)."""
+    tolerance = REORDERED_TOLERANCE[dtype] * float(expected.detach().abs().max())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=tolerance)
+
+
+@pytest.fixture(scope="session")
+def assert_reordered():
+    """assert_close_reordered, for the tests (import-mode=importlib: no `from conftest import`)."""
+    return assert_close_reordered

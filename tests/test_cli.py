@@ -1,7 +1,9 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
+import accelgen
 from accelgen.cli import app
 
 runner = CliRunner()
@@ -53,6 +55,40 @@ def test_a_model_that_is_not_there_is_named(tmp_path):
             result = runner.invoke(app, command)
             output = " ".join(result.output.split())  # the console wraps long lines
             assert result.exit_code == 2 and message in output and "Traceback" not in output
+
+
+def test_a_misspelled_model_name_gets_the_embedded_names(monkeypatch):
+    for command in (["generate", "-m", "smollm2-135", "hello"], ["profile", "-m", "SmolLM2-135M"]):
+        result = runner.invoke(app, command)
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and "did you mean smollm2-135m?" in output and "qwen2.5-coder-1.5b" in output
+    # a name far from every embedded one is tried on the hub; when that fails, the embedded names are listed too
+    import accelgen.models
+
+    def unreachable_hub(name, **_):
+        raise OSError(f"{name} is not a local folder and is not a valid model identifier")
+
+    monkeypatch.setattr(accelgen.models, "load_model", unreachable_hub)
+    result = runner.invoke(app, ["generate", "-m", "gpt2", "hello"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "valid model identifier (embedded models: qwen2.5-coder-1.5b" in output
+
+
+def test_method_options_are_parsed_by_their_type_and_named():
+    result = runner.invoke(app, ["generate", "--method", "pld", "-o", "max_ngram=[", "hello"])
+    assert result.exit_code == 2 and "pld: max_ngram must be an integer, got '['" in result.output
+    assert "Traceback" not in result.output and "not supported between" not in result.output
+    from accelgen.cli import parse_options
+
+    defaults = accelgen.get_method("auto").options
+    assert parse_options(["workload=2024"], defaults) == {"workload": "2024"}  # a word, though it reads as a number
+
+
+@pytest.mark.parametrize("command", [["generate", "--threads", "-1", "hello"], ["profile", "--threads", "0"],
+                                     ["serve", "--threads", "-1"], ["serve", "--port", "99999"]])
+def test_out_of_range_numbers_are_refused_before_anything_runs(command):
+    result = runner.invoke(app, command)
+    assert result.exit_code == 2 and "Invalid value for '--" in result.output and "Traceback" not in result.output
 
 
 def test_readme_method_table_is_the_registry():

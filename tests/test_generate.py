@@ -355,3 +355,48 @@ def test_clear_errors(tiny_target, tokenizer, make_tiny_model):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="speculative", draft_model=tiny_target, gamma=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=-1)
+
+
+@pytest.mark.parametrize("prompt", [
+    torch.tensor([PROMPT, PROMPT]), torch.tensor([[PROMPT]]), [PROMPT, PROMPT[:3]], ["Hello", "there"]])
+def test_several_prompts_at_once_are_refused(tiny_target, tokenizer, prompt):
+    """They used to be flattened into one prompt."""
+    with pytest.raises(ValueError, match="batched prompts are not supported.*once per prompt.*accelgen serve"):
+        accelgen.generate(tiny_target, tokenizer, prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (torch.tensor(PROMPT) + 0.7, "must be integers, got torch.float32"), ([5.7, 17.2], "must be integers"),
+    ([True, 5], "not bools"), (torch.tensor([True, False]), "must be integers, got torch.bool")])
+def test_token_ids_are_not_truncated(tiny_target, tokenizer, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        accelgen.generate(tiny_target, tokenizer, prompt, max_new_tokens=2)
+
+
+def test_one_prompt_as_a_row_or_numpy_ids_is_fine(tiny_target, tokenizer, tiny_greedy):
+    import numpy as np
+
+    for prompt in (torch.tensor([PROMPT]), list(np.array(PROMPT)), tuple(PROMPT)):
+        assert accelgen.generate(tiny_target, tokenizer, prompt, max_new_tokens=3).token_ids == tiny_greedy[:3]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"max_new_tokens": 3.5}, "max_new_tokens must be an integer, got 3.5"),  # used to give 4 tokens
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
+    ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),  # used to sample uniformly
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+    ({"top_p": "0.9"}, "top_p must be a finite number, got '0.9'"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"seed": "abc"}, "seed must be an integer or None, got 'abc'"),
+    ({"stop": [3]}, "stop must be a string or a list of strings"),
+    ({"method": "speculative", "gamma": "five"}, "speculative: gamma must be an integer, got 'five'"),
+    ({"method": "specdec", "tau": float("nan")}, "specdec: tau must be a finite number, got nan"),
+])
+def test_arguments_of_the_wrong_type_are_named(tiny_target, tokenizer, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, draft_model=tiny_target, **arguments)
+
+
+def test_whole_numbers_pass_as_floats(tiny_target, tokenizer, tiny_greedy):
+    result = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=3, temperature=0, top_p=1, seed=3)
+    assert result.token_ids == tiny_greedy[:3]

@@ -96,7 +96,7 @@ def bench(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy (outputs are checked against hf-greedy)."),
     seed: int = typer.Option(0, help="Sampling seed of the first prompt (prompt i uses seed + i)."),
-    threads: int = typer.Option(2, help="torch CPU threads, fixed for the whole run."),
+    threads: int = typer.Option(2, min=1, help="torch CPU threads, fixed for the whole run."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP + " Rows may set their own: "

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from accelgen.atomic import save_figure_atomically
 from accelgen.bench.methods import BASELINE, VARIANT  # noqa: E402
 from accelgen.bench.metrics import OVERALL  # noqa: E402
 
@@ -34,7 +35,7 @@ def speedup_plot(aggregates: dict, methods: list[str], path: Path) -> Path:
     if shown:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path)
     plt.close(fig)
     return path
 
@@ -58,7 +59,7 @@ def tokens_plot(summaries: dict, path: Path) -> Path:
     if handles:
         ax.legend(handles, formats, title="weights", fontsize=7, title_fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path)
     plt.close(fig)
     return path
 
@@ -85,7 +86,7 @@ def tau_plot(records: list[dict], methods: list[str], path: Path) -> Path:
     if not shown:
         axes.flat[0].text(0.5, 0.5, "no drafting method with per-forward data", ha="center", va="center")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path)
     plt.close(fig)
     return path
 
@@ -113,7 +114,7 @@ def tradeoff_plot(summaries: dict, methods: list[str], path: Path) -> Path:
     ax.set_title("Lossy methods: speed against agreement")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path)
     plt.close(fig)
     return path
 
@@ -135,6 +136,6 @@ def loadtest_plot(result: dict, methods: list[str], path: Path) -> Path:
     right.set_ylabel("server resident memory (MiB)")
     right.set_title("Memory")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path)
     plt.close(fig)
     return path

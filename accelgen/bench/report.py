@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen import hardware
 from accelgen.bench import metrics, plots
 from accelgen.bench.methods import BASELINE, LOSSLESS
@@ -27,7 +28,7 @@ def render(out_dir: Path) -> dict:
     run_info = json.loads(run_file.read_text())
     results = build_results(run_info, read_jsonl(out_dir / RECORDS_FILE), read_jsonl(out_dir / AUDITS_FILE),
                             read_jsonl(out_dir / EXECUTIONS_FILE))
-    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1) + "\n")
+    write_json_atomically(out_dir / RESULTS_FILE, results)
     methods = results["config"]["methods"]
     plots.speedup_plot(results["aggregates"], methods, out_dir / SPEEDUP_PLOT)
     plots.tokens_plot(results["aggregates"].get(metrics.OVERALL, {}), out_dir / TOKENS_PLOT)
@@ -35,7 +36,7 @@ def render(out_dir: Path) -> dict:
     plots.tau_plot(results["records"], drafting, out_dir / TAU_PLOT)
     if lossy_methods(results):
         plots.tradeoff_plot(results["aggregates"][metrics.OVERALL], lossy_methods(results), out_dir / TRADEOFF_PLOT)
-    (out_dir / REPORT_FILE).write_text(markdown(results))
+    write_text_atomically(out_dir / REPORT_FILE, markdown(results))
     return results
 
 

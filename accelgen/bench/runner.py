@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 import accelgen
+from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen import hardware
 from accelgen.bench import audit, llamacpp
 from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
@@ -365,7 +366,7 @@ def read_jsonl(path: Path) -> list[dict]:
     text = path.read_text()
     complete, _, partial = text.rpartition("\n")
     if partial:
-        path.write_text(complete + "\n" if complete else "")
+        write_text_atomically(path, complete + "\n" if complete else "")
     return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
@@ -376,4 +377,4 @@ def append_jsonl(path: Path, item: dict) -> None:
 
 
 def write_json(path: Path, item: dict) -> None:
-    path.write_text(json.dumps(item, indent=1) + "\n")
+    write_json_atomically(path, item)

@@ -21,6 +21,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from accelgen.atomic import write_json_atomically
 from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, budgeted, draft_cost_ratio, verify_ratios
 from accelgen.models.loading import beside_weights
 from accelgen.profile import interpolate
@@ -61,7 +62,7 @@ def save_choice(model, draft_model, workload: str, result: dict) -> Path:
     entries = saved.setdefault(draft_key(draft_model), {})
     entries[workload] = result
     entries["latest"] = workload
-    path.write_text(json.dumps(saved, indent=1) + "\n")
+    write_json_atomically(path, saved)
     return path
 
 

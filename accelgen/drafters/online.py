@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.atomic import save_figure_atomically
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, scheduled
 from accelgen.generate import generate
@@ -260,5 +261,5 @@ def plot_acceptance(rows: list[dict], path: Path, window: int) -> None:
     axes.set_title("Online speculative decoding: acceptance over a stream of requests")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure_atomically(figure, path)
     plt.close(figure)

@@ -18,7 +18,7 @@ Drafts are deterministic, so the method is exact for sampling too.
 Files in a datastore folder:
     tokens.npy        (n,) int32: the corpus, -1 after every text
     suffix_array.npy  (n,) int32/int64: positions sorted by their next sort_depth tokens
-    datastore.json    format, tokenizer, vocabulary bound, sizes, build time
+    datastore.json    format, tokenizer, vocabulary bound, sizes (checked on open), build time; written last
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from accelgen.atomic import CorruptFileError, read_checked, save_npy_atomically, write_json_atomically
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.candidate_tree import CandidateTree
 from accelgen.drafters.prompt_lookup import NGramIndex, lookup_candidates
@@ -42,6 +43,7 @@ from accelgen.registry import MethodSpec, register
 CONTEXT_MAX_NGRAM = 3  # context=True: the longest tail looked up in the request's own text, as pld's default
 SEPARATOR = -1  # ends every text; sorts before every token, and no query contains it
 TOKENS_FILE, SUFFIXES_FILE, META_FILE = "tokens.npy", "suffix_array.npy", "datastore.json"
+BUILD_COMMAND = "accelgen datastore build --model M --dataset sharegpt"
 FORMAT_VERSION = 1
 
 
@@ -82,11 +84,16 @@ def build_suffix_array(tokens: np.ndarray, sort_depth: int = 64, progress: bool 
 
 
 def write_datastore(sequences: Iterable[Sequence[int]], path, *, sort_depth: int = 64, progress: bool = True,
-                    info: dict | None = None) -> dict:
-    """Save token sequences as a datastore folder at path; returns its datastore.json contents."""
+                    info: dict | None = None, started: float | None = None) -> dict:
+    """Save token sequences as a datastore folder at path; returns its datastore.json contents (build_seconds
+    counted from `started`, default now).
+
+    Each file is written atomically, and datastore.json, which records the other files' sizes, is removed first and
+    written last: a build killed at any point leaves no datastore.json (a clear error on open, naming the folder),
+    never new tokens beside an old suffix array."""
     if sort_depth < 2:
         raise ValueError(f"sort_depth must be >= 2, got {sort_depth}")
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     pieces, count = [], 0
     for sequence in sequences:
         piece = np.asarray(list(sequence) + [SEPARATOR], dtype=np.int32)
@@ -98,9 +105,9 @@ def write_datastore(sequences: Iterable[Sequence[int]], path, *, sort_depth: int
     suffixes = build_suffix_array(tokens, sort_depth, progress)
     suffixes = suffixes.astype(np.int32 if len(tokens) < 2**31 else np.int64)
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / TOKENS_FILE, tokens)
-    np.save(folder / SUFFIXES_FILE, suffixes)
+    (folder / META_FILE).unlink(missing_ok=True)
+    sizes = {name: save_npy_atomically(folder / name, array).stat().st_size
+             for name, array in ((TOKENS_FILE, tokens), (SUFFIXES_FILE, suffixes))}
     meta = {
         "format": FORMAT_VERSION,
         **(info or {}),
@@ -108,10 +115,11 @@ def write_datastore(sequences: Iterable[Sequence[int]], path, *, sort_depth: int
         "tokens": int(len(tokens) - count),  # without separators
         "max_token_id": int(tokens.max()) if len(tokens) else -1,
         "sort_depth": sort_depth,
-        "bytes": (folder / TOKENS_FILE).stat().st_size + (folder / SUFFIXES_FILE).stat().st_size,
+        "bytes": sum(sizes.values()),
+        "file_bytes": sizes,  # checked on open: files of another build, or truncated ones, are refused
         "build_seconds": round(time.perf_counter() - started, 2),
     }
-    (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    write_json_atomically(folder / META_FILE, meta)
     return meta
 
 
@@ -137,10 +145,7 @@ def build_datastore(tokenizer, texts: Iterable[str], path, *, sort_depth: int = 
 
     name = tokenizer_name or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     info = {"tokenizer": name, "vocab_size": len(tokenizer)}
-    meta = write_datastore(tokenized(), path, sort_depth=sort_depth, progress=progress, info=info)
-    meta["build_seconds"] = round(time.perf_counter() - started, 2)
-    (Path(path) / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
+    return write_datastore(tokenized(), path, sort_depth=sort_depth, progress=progress, info=info, started=started)
 
 
 # --- lookup ----------------------------------------------------------------------------------------------
@@ -166,18 +171,33 @@ class Datastore:
     def __init__(self, path):
         folder = Path(path)
         if not (folder / META_FILE).is_file():
-            raise FileNotFoundError(
-                f"no REST datastore at {folder}: build one with "
-                f"`accelgen datastore build --model M --dataset sharegpt --out {folder}`"
-            )
+            raise FileNotFoundError(f"no REST datastore at {folder} (no {META_FILE}: none was built there, or its "
+                                    f"build was interrupted): build one with `{BUILD_COMMAND} --out {folder}`")
         self.path = folder
-        self.meta = json.loads((folder / META_FILE).read_text())
+        rebuild = f"rebuild the datastore with `{BUILD_COMMAND} --out {folder}`"
+        self.meta = read_checked(folder / META_FILE, lambda file: json.loads(file.read_text()), rebuild)
         if self.meta.get("format") != FORMAT_VERSION:
             raise ValueError(f"datastore at {folder} has format {self.meta.get('format')}; "
                              f"rebuild it (this version reads {FORMAT_VERSION})")
-        self.tokens = np.load(folder / TOKENS_FILE, mmap_mode="r")  # (n,) int32
-        self.suffixes = np.load(folder / SUFFIXES_FILE, mmap_mode="r")  # (n,) int
+        self.tokens = self.open_array(TOKENS_FILE, rebuild)  # (n,) int32
+        self.suffixes = self.open_array(SUFFIXES_FILE, rebuild)  # (n,) int
         self.sort_depth = int(self.meta["sort_depth"])
+
+    def open_array(self, name: str, rebuild: str) -> np.ndarray:
+        """One of the datastore's arrays, memory-mapped, after checking that it is the one datastore.json describes
+        (its size; older datastores record none) and holds every token and separator."""
+        path = self.path / name
+        found = path.stat().st_size if path.is_file() else 0
+        recorded = self.meta.get("file_bytes", {}).get(name, found)
+        if found != recorded:
+            raise CorruptFileError(f"{path} has {found} bytes where {META_FILE} records {recorded}: it is missing, "
+                                   f"truncated or from another build; {rebuild}")
+        array = read_checked(path, lambda file: np.load(file, mmap_mode="r"), rebuild)
+        length = self.meta["tokens"] + self.meta["texts"]  # one separator per text
+        if array.shape != (length,):
+            raise CorruptFileError(f"{path} has shape {array.shape} where {META_FILE} records ({length},): it is from "
+                                   f"another build; {rebuild}")
+        return array
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -17,6 +17,7 @@ import math
 from statistics import fmean
 from typing import Callable
 
+from accelgen.atomic import write_json_atomically
 from accelgen.exits.calm import CALIBRATION_FILE
 from accelgen.generate import generate
 from accelgen.models.loading import beside_weights
@@ -86,5 +87,5 @@ def save_calibration(model, result: dict):
     path = beside_weights(model, CALIBRATION_FILE, saving="the calibrated threshold")
     saved = json.loads(path.read_text()) if path.exists() else {}
     saved[result["measure"]] = result
-    path.write_text(json.dumps(saved, indent=1) + "\n")
+    write_json_atomically(path, saved)
     return path

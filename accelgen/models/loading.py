@@ -5,6 +5,7 @@ GGUF files are dequantized by transformers once and cached as bf16 safetensors, 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from accelgen.atomic import write_atomically  # also imported from here by models/probe.py
 from accelgen.models.embedded import EMBEDDED_MODELS, remove_assembled
 
 DTYPES = {
@@ -212,6 +214,11 @@ def check_source(name_or_path: str) -> None:
     if looks_like_path or str(name_or_path).count("/") > 1:
         raise ValueError(f"no model at {name_or_path!r}: give an embedded name ({', '.join(EMBEDDED_MODELS)}), "
                          "a model folder, a .gguf file or a hub id")
+    # a hub id without an owner (gpt2) is possible, but one this close to an embedded name is a misspelling
+    close = difflib.get_close_matches(str(name_or_path).lower(), EMBEDDED_MODELS, n=1)
+    if close and "/" not in str(name_or_path):
+        raise ValueError(f"unknown model {name_or_path!r}: did you mean {close[0]}? Embedded models: "
+                         f"{', '.join(EMBEDDED_MODELS)}; or give a model folder, a .gguf file or a hub id")
 
 
 def local_folder(name_or_path: str) -> Path | None:
@@ -260,20 +267,6 @@ def save_quantized(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
     save_file({key: value.contiguous() for key, value in tensors.items()}, str(path),
               metadata={"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()})
-
-
-def write_atomically(path: Path, write) -> None:
-    """Call write(temporary path) beside `path`, then rename it to `path`: a reader never sees a partial file,
-    and a failed or concurrent write leaves none behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(handle)
-    try:
-        write(Path(partial))
-        os.replace(partial, path)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
 
 
 def quantized_cache_path(folder: Path, fmt: str) -> Path | None:

@@ -11,15 +11,18 @@ import asyncio
 import json
 import os
 import secrets
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from accelgen.drafters.online import OnlineLearner
@@ -41,7 +44,19 @@ class ServerConfig:
     max_tokens: int = 1024  # largest max_tokens a request may ask for
     max_body_bytes: int = 1 << 20
     max_concurrent: int = 64  # requests waiting or running; more get 429
-    shutdown_grace_seconds: float = 30.0
+    shutdown_grace_seconds: float = 30.0  # in-flight requests may finish within it; then they are aborted
+    body_timeout_seconds: float = 10.0  # a POST body must arrive within it (408 otherwise)
+
+    def __post_init__(self):
+        if self.api_key == "":
+            raise ValueError("an empty API key would turn authentication off: to serve without a key, give none")
+
+
+# OpenAI allows 4 stop sequences. The matcher costs time linear in their length (stopping.py), but a stop
+# string is text the server keeps and scans for the request's whole life, and nothing a client means by
+# "stop here" is longer than a few lines: 1,000 characters is far beyond any real use, and bounds the work.
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1000
 
 
 class APIError(Exception):
@@ -51,22 +66,24 @@ class APIError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a string is not a number, a number is not a boolean ("10", true and "yes" are refused, not coerced);
+    # an integer is still a valid float (temperature 0)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what a torch generator takes
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
     # OpenAI fields accepted at their neutral values only (clients often send them); anything else is refused
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
     logit_bias: dict | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
@@ -80,9 +97,18 @@ class CompletionBody(_Body):
     suffix: str | None = None
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # other part types are refused by name (message_text)
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict] | None = None
+    model_config = ConfigDict(strict=True)  # other OpenAI message fields (name, tool_call_id) are ignored
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
 
 
 class ChatBody(_Body):
@@ -111,10 +137,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     async def lifespan(_app):
         engine.start()
         yield
-        await asyncio.to_thread(engine.stop, config.shutdown_grace_seconds)
+        await asyncio.to_thread(engine.stop, config.shutdown_grace_seconds)  # no-op after run()'s shutdown
 
     app = FastAPI(title="accelgen", lifespan=lifespan)
     app.state.engine = engine
+    app.state.config = config
+    app.state.admission = admission = Admission(config.max_concurrent)
 
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):
@@ -125,7 +153,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
         return error_response(400, f"invalid request: {problems}")
 
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    @app.exception_handler(Exception)
+    async def bug(_request, error: Exception):  # still a bug, logged with its traceback; the client gets JSON
+        return error_response(500, f"internal error: {type(error).__name__}", "server_error")
+
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout_seconds=config.body_timeout_seconds)
 
     @app.get("/health")
     async def health():
@@ -176,18 +209,32 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         if max_tokens > config.max_tokens:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens}",
                            param="max_tokens")
-        if engine.load >= config.max_concurrent:
-            raise APIError(429, f"server busy: {config.max_concurrent} requests in flight, try again later",
-                           "rate_limit_error")
+        stop = check_stop(body.stop)
         if prompt == "" or prompt == []:
             raise APIError(400, "empty prompt", param="prompt")
+        # a slot is taken here, before any work, atomically (checking the engine's load instead let a burst
+        # through while its requests were being prepared); the engine gives it back when it answers
+        if not admission.take():
+            raise APIError(429, f"server busy: {config.max_concurrent} requests in flight, try again later",
+                           "rate_limit_error")
+        try:
+            request, events, reply = await submit(body, prompt, method, max_tokens, stop, chat)
+        except BaseException:  # refused before the engine had it
+            admission.give_back()
+            raise
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream_events(request, events, reply, include_usage), media_type="text/event-stream")
+        return JSONResponse(await collect(request, events, reply, http))
 
+    async def submit(body: _Body, prompt, method: str, max_tokens: int, stop: list[str], chat: bool):
+        """Prepare the sequence and hand it to the engine: (request, its event queue, the reply shaper)."""
         def start() -> Sequence:
             with engine.lock:  # the tokenizer and shared drafter state are the engine's while it steps
                 sequence = Sequence.start(config.model, config.tokenizer, prompt, method=method,
                                           draft_model=config.draft_model, max_new_tokens=max_tokens,
                                           temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                          stop=body.stop, **methods[method])
+                                          stop=stop, **methods[method])
                 if sequence.prompt_tokens > config.max_prompt_tokens:
                     sequence.finish()
                     raise APIError(400, f"prompt has {sequence.prompt_tokens} tokens, over this server's limit of "
@@ -198,18 +245,22 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             sequence = await asyncio.to_thread(start)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
+        except TemplateError as error:  # the chat template refused the conversation (e.g. the order of roles)
+            raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        request = Request(sequence, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), method)
+
+        def emit(event) -> None:  # on the engine thread
+            if not isinstance(event, Chunk):  # the result or an error: the engine is done with the request
+                admission.give_back()
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request = Request(sequence, emit, method)
         try:
             engine.submit(request)
         except RuntimeError as error:
             raise APIError(503, str(error), "server_error") from None
-        reply = Reply(config.model_name, method, chat, sequence.prompt_tokens)
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream_events(request, events, reply, include_usage), media_type="text/event-stream")
-        return JSONResponse(await collect(request, events, reply, http))
+        return request, events, Reply(config.model_name, method, chat, sequence.prompt_tokens)
 
     return app
 
@@ -218,6 +269,38 @@ UNSUPPORTED_UNLESS_NEUTRAL = {  # field -> the values that mean "not used"
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}), "logprobs": (None, False, 0),
     "top_logprobs": (None, 0), "echo": (False,), "best_of": (None, 1), "suffix": (None, ""),
 }
+
+
+def check_stop(stop: str | list[str] | None) -> list[str]:
+    """The stop strings as a list, within the limits (MAX_STOP_SEQUENCES, MAX_STOP_CHARS)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise APIError(400, f"stop: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise APIError(400, f"stop: a stop sequence of {longest} characters is over the limit of {MAX_STOP_CHARS}",
+                       param="stop")
+    return stops
+
+
+class Admission:
+    """Slots for the requests in flight (being prepared, waiting or running): taken and given back under a lock,
+    on the event loop's thread and the engine's."""
+
+    def __init__(self, limit: int):
+        self.limit, self.taken = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.taken >= self.limit:
+                return False
+            self.taken += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.taken -= 1
 
 
 class Reply:
@@ -314,36 +397,65 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def message_text(content) -> str:
+def message_text(content: str | list[ContentPart] | None) -> str:
     """A chat message's text; content parts of type "text" are joined (images and audio are refused)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for part in content:
-        if part.get("type") != "text":
-            raise APIError(400, f"message content of type {part.get('type')!r} is not supported", param="messages")
-        texts.append(part.get("text", ""))
+        if part.type != "text":
+            raise APIError(400, f"message content of type {part.type!r} is not supported", param="messages")
+        if part.text is None:
+            raise APIError(400, "a content part of type 'text' needs a string field 'text'", param="messages")
+        texts.append(part.text)
     return "".join(texts)
 
 
 class Guard:
-    """ASGI middleware before any body parsing on /v1/: the API key, then the body size (Content-Length
-    required on POST, so that an oversized body is refused before it is read)."""
+    """ASGI middleware before any body parsing: the API key on every path but /health (the API, /metrics and
+    the OpenAPI docs alike), then for POST the body: a Content-Length is required, so that an oversized body is
+    refused before it is read, and the whole body must arrive within body_timeout_seconds, so that a client
+    sending less than it announced cannot hold a connection (uvicorn times out idle connections, not slow bodies)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout_seconds: float):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.body_timeout_seconds = body_timeout_seconds
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            refusal = self.refusal(dict(scope["headers"]), scope["method"])
-            if refusal is not None:
-                return await refusal(scope, receive, send)
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        refusal = self.refusal(dict(scope["headers"]), scope["method"])
+        if refusal is None and scope["method"] == "POST":
+            body = await self.read_body(receive)
+            if body is None:
+                refusal = error_response(408, f"the request body did not arrive within {self.body_timeout_seconds:g} s")
+                refusal.headers["connection"] = "close"
+            else:
+                receive = replay(body, receive)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
+
+    async def read_body(self, receive) -> bytes | None:
+        """The whole body, or None when it did not arrive in time (or the client left)."""
+        chunks = []
+        try:
+            async with asyncio.timeout(self.body_timeout_seconds):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            return None
 
     def refusal(self, headers: dict[bytes, bytes], method: str) -> JSONResponse | None:
         if self.api_key is not None:
-            given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-            if not secrets.compare_digest(given, self.api_key.encode()):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 7235); a key without it is refused
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.api_key.encode()):
                 return error_response(401, "invalid or missing API key (header Authorization: Bearer <key>)",
                                       "authentication_error")
         if method == "POST":
@@ -353,6 +465,20 @@ class Guard:
             if int(length) > self.max_body_bytes:
                 return error_response(413, f"request body of {int(length)} bytes is over the limit of {self.max_body_bytes}")
         return None
+
+
+def replay(body: bytes, receive):
+    """An ASGI receive that gives the body already read, then passes on to the client's (disconnects)."""
+    given = False
+
+    async def receive_again():
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive_again
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -371,7 +497,8 @@ def resident_bytes() -> int | None:
 def prometheus_text(engine: Engine, model_name: str) -> str:
     """The engine's counters in Prometheus' text exposition format."""
     s = engine.stats
-    label = f'{{model="{model_name}"}}'
+    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # the text format's escapes
+    label = f'{{model="{escaped}"}}'
     metrics = [
         ("accelgen_requests_total", "counter", "Requests received.", s.requests),
         ("accelgen_requests_finished_total", "counter", "Requests that finished.", s.finished),
@@ -405,3 +532,23 @@ def prometheus_text(engine: Engine, model_name: str) -> str:
     for name, kind, help_text, value in metrics:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
     return "\n".join(lines) + "\n"
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve app (from create_app) until SIGINT or SIGTERM.
+
+    uvicorn's shutdown waits for the handlers up to its timeout, cancels them (no answer: a plain 500, a cut
+    stream), and only then runs the app's lifespan end. So the engine is stopped first instead: requests in
+    flight get the grace period to finish, then are aborted and answered (finish_reason "abort", and [DONE] for
+    streams) while their handlers still run; uvicorn's own timeout comes after that."""
+    import uvicorn
+
+    engine, grace = app.state.engine, app.state.config.shutdown_grace_seconds
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await asyncio.to_thread(engine.stop, grace)  # new requests meanwhile get 503
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(grace) + 10)
+    Server(config).run()

@@ -30,7 +30,7 @@ def serve(
                                       help="Other methods requests may pick with the body field `method`, comma-separated."),
     option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable)."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (127.0.0.1: this machine only)."),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, min=1, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ACCELGEN_API_KEY",
                                           help="Require Authorization: Bearer <key> (or set ACCELGEN_API_KEY)."),
     max_batch: int = typer.Option(8, "--max-batch", help="Sequences per batched forward."),
@@ -42,24 +42,30 @@ def serve(
     max_concurrent: int = typer.Option(64, "--max-concurrent", help="Requests waiting or running; more get 429."),
     max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens"),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Largest max_tokens a request may ask for."),
+    shutdown_grace: float = typer.Option(30.0, "--shutdown-grace", min=0,
+                                         help="Seconds requests in flight may take to finish on shutdown; then "
+                                              "they are aborted and answered (finish_reason \"abort\")."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
     draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's: info logs every request, warning does not."),
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics) with continuous batching."""
     # a batch's shapes change every step, and oneDNN keeps a compiled kernel per shape (1024 by default): cap
     # that cache, or a long-running server's memory creeps up (set before the first matmul to take effect)
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    if api_key == "":  # before the model loads
+        console.print("[red]error:[/red] an empty --api-key would turn authentication off; to serve without a key, "
+                      "leave out --api-key (and ACCELGEN_API_KEY)")
+        raise typer.Exit(2)
     import torch
-    import uvicorn
 
     import accelgen
     from accelgen.bench.cli import parse_method_options, split_list
     from accelgen.cli import load_with_progress
-    from accelgen.server.app import ServerConfig, create_app
+    from accelgen.server.app import ServerConfig, create_app, run
     from accelgen.server.engine import Engine
     from accelgen.server.speculation import Goodput, TokenBudget, calibrate
 
@@ -76,7 +82,7 @@ def serve(
         draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
         config = ServerConfig(model_name=model, model=target_model, tokenizer=tokenizer, draft_model=draft_model,
                               method=method, methods=options, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
-                              max_tokens=max_tokens, max_concurrent=max_concurrent)
+                              max_tokens=max_tokens, max_concurrent=max_concurrent, shutdown_grace_seconds=shutdown_grace)
         if token_budget is not None:
             speculation = TokenBudget(token_budget)
         else:
@@ -94,9 +100,7 @@ def serve(
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2)
     console.print(f"serving {model} on http://{host}:{port}/v1 — methods: {', '.join(methods)}")
-    # in-flight requests get config.shutdown_grace_seconds to finish on Ctrl-C, then the engine cancels the rest
-    uvicorn.run(server_app, host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=int(config.shutdown_grace_seconds))
+    run(server_app, host=host, port=port, log_level=log_level)  # on Ctrl-C or SIGTERM: see run()
 
 
 def loadtest(
@@ -139,7 +143,7 @@ def loadtest(
             command = ["serve", "--model", model, "--method", method_list[0], "--max-concurrent", str(clients + 8),
                        "--log-level", "warning"]
             command += (["--draft", draft] if draft else []) + (["--allow-methods", methods] if len(method_list) > 1 else [])
-            url, server_command = stack.enter_context(started_server(command + list(serve_option)))
+            url, server_command, _ = stack.enter_context(started_server(command + list(serve_option)))
             config["server"] = "accelgen " + " ".join(server_command)
         else:
             config["server"] = url
@@ -154,7 +158,8 @@ def loadtest(
 
 @contextlib.contextmanager
 def started_server(arguments: list[str]):
-    """Run `accelgen serve` on a free loopback port until the block ends; yields (url, arguments)."""
+    """Run `accelgen serve` on a free loopback port until the block ends (then SIGTERM); yields
+    (url, arguments, the server's process)."""
     import socket
     import time
 
@@ -176,7 +181,7 @@ def started_server(arguments: list[str]):
                         break
                 except httpx.HTTPError:
                     time.sleep(0.5)
-        yield url, arguments
+        yield url, arguments, process
     finally:
-        process.terminate()
+        process.terminate()  # no-op when the block already stopped it
         process.wait(timeout=60)

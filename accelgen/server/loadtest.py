@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from accelgen.atomic import write_json_atomically, write_text_atomically
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -31,6 +33,7 @@ class Outcome:
     first_token_seconds: float | None
     tokens: int
     error: str | None = None
+    finish_reason: str | None = None  # None when the stream ended without one (or the client hung up first)
 
 
 def check_loopback(url: str) -> None:
@@ -39,9 +42,11 @@ def check_loopback(url: str) -> None:
         raise ValueError(f"the load test only targets this machine (127.0.0.1 / localhost), not {host!r}")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, method: str, round_index: int, t0: float) -> Outcome:
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, method: str, round_index: int, t0: float,
+                      hang_up_after: int | None = None) -> Outcome:
+    """One streaming chat request; hang_up_after: disconnect after that many events (a client that leaves)."""
     started = time.perf_counter()
-    first, tokens, error = None, 0, None
+    first, tokens, error, finish_reason, events = None, 0, None, None, 0
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body | {"method": method}) as response:
             if response.status_code != 200:
@@ -55,11 +60,17 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, method: s
                         error = payload["error"]["message"]
                     elif payload.get("usage"):
                         tokens = payload["usage"]["completion_tokens"]
-                    elif first is None and payload["choices"] and payload["choices"][0]["delta"].get("content"):
-                        first = time.perf_counter() - started
+                    elif payload["choices"]:
+                        choice = payload["choices"][0]
+                        finish_reason = choice["finish_reason"] or finish_reason
+                        if first is None and choice["delta"].get("content"):
+                            first = time.perf_counter() - started
+                    events += 1
+                    if hang_up_after is not None and events >= hang_up_after:
+                        break  # leaving the block closes the connection
     except httpx.HTTPError as exception:
         error = f"{type(exception).__name__}: {exception}"
-    return Outcome(method, round_index, started - t0, time.perf_counter() - started, first, tokens, error)
+    return Outcome(method, round_index, started - t0, time.perf_counter() - started, first, tokens, error, finish_reason)
 
 
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -159,8 +170,8 @@ def summarize(outcomes: list[Outcome], samples: list[dict], methods: list[str]) 
 
 def save(result: dict, out: Path, config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "loadtest.json").write_text(json.dumps({"config": config} | result, indent=1))
-    (out / "report.md").write_text(report_markdown(result["summary"], config) + "\n![throughput and memory](loadtest.png)\n")
+    write_json_atomically(out / "loadtest.json", {"config": config} | result)
+    write_text_atomically(out / "report.md", report_markdown(result["summary"], config) + "\n![throughput and memory](loadtest.png)\n")
     from accelgen.bench.plots import loadtest_plot  # matplotlib: the bench extra
 
     loadtest_plot(result, config["methods"], out / "loadtest.png")

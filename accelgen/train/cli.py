@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+
+from accelgen.atomic import save_pretrained_atomically, write_atomically, write_json_atomically
 
 TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
                        "What is trained learns the target as loaded: use it with the target in the same format.")
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
         rotation: int = typer.Option(8, help="rotational: exits of every R-th layer per step."),
         checkpoint_every: int = typer.Option(25, "--checkpoint-every"),
         held_out: int = typer.Option(16, "--held-out", help="Windows kept out of training to measure exit accuracy."),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """LayerSkip: layer dropout rising with depth + an early-exit loss; exit accuracy per layer before and after."""
         from rich.table import Table
@@ -72,7 +73,7 @@ def register(app: typer.Typer) -> None:
             table.add_row(str(old["layer"]), f"{old['next_token']:.1%}", f"{new['next_token']:.1%}",
                           f"{old['agrees_with_last']:.1%}", f"{new['agrees_with_last']:.1%}")
         Console().print(table)
-        write_json(Path(out) / "exit_accuracy.json", {
+        write_json_atomically(Path(out) / "exit_accuracy.json", {
             "model": model, "dataset": dataset, "config": fields_of(config),
             "training_seconds": result["seconds"], "resumed_at": result["resumed_at"], "held_out_windows": held_out,
             "exit_accuracy_before": before, "exit_accuracy_after": after})
@@ -93,7 +94,7 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(256, "--batch-size", help="Positions per step."),
         rank: int = typer.Option(64, help="Adapter width."),
         learning_rate: float = typer.Option(1e-3, "--learning-rate"),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """Exit adapters (matched to the last layer) and CALM's early-exit classifiers, with the base model frozen."""
         from rich.table import Table
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
             table.add_row(str(row["layer"]), f"{row['plain_agreement']:.1%}", f"{row['adapted_agreement']:.1%}",
                           f"{row['classifier_accuracy']:.1%}")
         Console().print(table)
-        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "layers": evaluation})
+        write_json_atomically(Path(out) / "evaluation.json", {"held_out_windows": held_out, "layers": evaluation})
         stderr.print(f"exit heads for layers {chosen} → {out}; use: --method calm -o heads={out} [-o measure=classifier]")
 
     @train_app.command("consistent-ee")
@@ -131,7 +132,7 @@ def register(app: typer.Typer) -> None:
         steps: int = typer.Option(300),
         batch_size: int = typer.Option(512, "--batch-size", help="Positions (episodes) per step."),
         learning_rate: float = typer.Option(1e-2, "--learning-rate"),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """ConsistentEE: an exit policy trained with policy gradient, rewarded by accuracy or depth by token hardness."""
         from accelgen.train.consistent_ee import evaluate_exit_policy, train_exit_policy
@@ -154,7 +155,8 @@ def register(app: typer.Typer) -> None:
             policy.base_model = model
             policy.save(out)
             evaluation = evaluate_exit_policy(target_model, policy, unseen)
-        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "speed_weight": speed_weight, **evaluation})
+        write_json_atomically(Path(out) / "evaluation.json",
+                              {"held_out_windows": held_out, "speed_weight": speed_weight, **evaluation})
         stderr.print(f"held out: mean depth {evaluation['mean_depth']:.0%} of the layers, exits agree with the full "
                      f"model on {evaluation['agreement']:.1%} of positions")
         stderr.print(f"exit policy for layers {chosen} → {out}; use: --method consistent-ee -o heads={out}")
@@ -179,7 +181,7 @@ def register(app: typer.Typer) -> None:
         checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
         weights: Optional[str] = typer.Option(None, "--weights", help=TARGET_WEIGHTS_HELP),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """Medusa heads (also for blockwise) on the frozen target's features; top-1/top-5 per head held out."""
         from rich.table import Table
@@ -206,9 +208,9 @@ def register(app: typer.Typer) -> None:
         for row in evaluation:
             table.add_row(str(row["head"]), f"+{row['offset']}", f"{row['top1']:.1%}", f"{row['top5']:.1%}")
         Console().print(table)
-        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
-                                                    "training_seconds": run["seconds"], "resumed_at": run["resumed_at"],
-                                                    "heads": evaluation})
+        write_json_atomically(Path(out) / "evaluation.json", {
+            "held_out_windows": held_out, "config": fields_of(config), "training_seconds": run["seconds"],
+            "resumed_at": run["resumed_at"], "heads": evaluation})
         stderr.print(f"{heads} Medusa heads → {out} (trained {steps - run['resumed_at']} steps in {run['seconds']:.0f}s); "
                      f"use: --method medusa -o heads={out} (or --method blockwise)")
 
@@ -234,7 +236,7 @@ def register(app: typer.Typer) -> None:
         checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
         weights: Optional[str] = typer.Option(None, "--weights", help=TARGET_WEIGHTS_HELP),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """EAGLE head: one decoder layer over the frozen target's features; top-1/top-5 held out."""
         from accelgen.train.eagle import EagleConfig, cached_features, evaluate_eagle, train_eagle
@@ -254,9 +256,9 @@ def register(app: typer.Typer) -> None:
             head.base_model = model
             head.save(out)
             evaluation = evaluate_eagle(target_model, head, data[:held_out], cached[:held_out], choices[:held_out])
-        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
-                                                    "training_seconds": run["seconds"], "resumed_at": run["resumed_at"],
-                                                    **evaluation})
+        write_json_atomically(Path(out) / "evaluation.json", {
+            "held_out_windows": held_out, "config": fields_of(config), "training_seconds": run["seconds"],
+            "resumed_at": run["resumed_at"], **evaluation})
         stderr.print(f"held out: the head's top-1 is the target's next choice at {evaluation['top1']:.1%} of "
                      f"positions, top-5 at {evaluation['top5']:.1%}; {evaluation['choices_in_draft_vocab']:.1%} of the "
                      f"choices are in the draft vocabulary (trained {steps - run['resumed_at']} steps in "
@@ -278,7 +280,7 @@ def register(app: typer.Typer) -> None:
         learning_rate: float = typer.Option(3e-3, "--learning-rate"),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the frozen model (default: its embedded one)."),
         weights: Optional[str] = typer.Option(None, "--weights", help=TARGET_WEIGHTS_HELP),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """PaSS look-ahead embeddings: the frozen target drafts k tokens for itself; per-slot top-1 held out."""
         from accelgen.train.pass_embeddings import PassConfig, evaluate_pass, train_pass
@@ -294,8 +296,8 @@ def register(app: typer.Typer) -> None:
             embeddings.base_model = model
             embeddings.save(out)
             evaluation = evaluate_pass(target_model, embeddings, data[:held_out], cuts=cuts)
-        write_json(Path(out) / "evaluation.json", {"held_out_windows": held_out, "config": fields_of(config),
-                                                    "training_seconds": seconds, **evaluation})
+        write_json_atomically(Path(out) / "evaluation.json", {
+            "held_out_windows": held_out, "config": fields_of(config), "training_seconds": seconds, **evaluation})
         top1 = ", ".join(f"{accuracy:.0%}" for accuracy in evaluation["top1"])
         stderr.print(f"held out: slot top-1 {top1}; {evaluation['mean_slots_in_a_row']:.2f} slots right in a row "
                      f"on average (trained {steps} steps in {seconds:.0f}s)")
@@ -322,7 +324,7 @@ def register(app: typer.Typer) -> None:
         gamma: int = typer.Option(5, help="Draft length when measuring α."),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the target (default: its embedded one); the draft trains in float32."),
         seed: int = typer.Option(0),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """DistillSpec: distill the draft toward the target on the draft's own generations; α before and after."""
         import torch
@@ -388,7 +390,7 @@ def register(app: typer.Typer) -> None:
         save_draft: bool = typer.Option(False, "--save-draft", help="Save the updated draft into OUT/draft."),
         dtype: Optional[str] = typer.Option(None, help="Dtype of the target (default: its embedded one); the draft runs "
                                                        "and trains in float32."),
-        threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+        threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
     ):
         """Online speculative decoding over a stream of requests: α per request as the draft learns (JSON + plot)."""
         import copy
@@ -427,14 +429,13 @@ def register(app: typer.Typer) -> None:
                 row["id"] = prompt.id
             Path(out).mkdir(parents=True, exist_ok=True)
             average = moving_average([row["acceptance_rate"] for row in rows], interval)
-            write_json(Path(out) / "online.json", {
+            write_json_atomically(Path(out) / "online.json", {
                 "model": model, "draft": draft, "dataset": dataset, "requests": len(rows), "max_new_tokens": max_new_tokens,
                 "gamma": gamma, **learning, "first_requests_acceptance": average[min(interval, len(rows)) - 1],
                 "last_requests_acceptance": average[-1], "updates": learner.updates, "rows": rows})
             plot_acceptance(rows, Path(out) / "online.png", interval)
             if save_draft:
-                draft_model.to(saved_dtype).save_pretrained(Path(out) / "draft")
-                draft_tokenizer.save_pretrained(Path(out) / "draft")
+                save_pretrained_atomically(Path(out) / "draft", draft_model.to(saved_dtype), draft_tokenizer)
         Console().print(f"α, mean of {interval} requests: first {average[min(interval, len(rows)) - 1]:.1%}, last "
                         f"{average[-1]:.1%} ({len(learner.updates)} updates over {len(rows)} requests)")
         stderr.print(f"→ {out}/online.json, {out}/online.png" + (f"; updated draft: {out}/draft" if save_draft else ""))
@@ -520,10 +521,6 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     return target_model, tokenizer, data
 
 
-def write_json(path: Path, content: dict) -> None:
-    path.write_text(json.dumps(content, indent=1) + "\n")
-
-
 def plot_exit_accuracy(before: list[dict], after: list[dict], path: Path) -> None:
     """Per layer, how often the exit agrees with the last layer, before and after training."""
     import matplotlib
@@ -539,5 +536,5 @@ def plot_exit_accuracy(before: list[dict], after: list[dict], path: Path) -> Non
     axes.set_title("LayerSkip training: early-exit accuracy")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    write_atomically(path, lambda partial: figure.savefig(partial, format="png", dpi=120))
     plt.close(figure)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.generate import generate
 
 DIVERGENCES = ("tvd", "fkl", "rkl")
@@ -287,8 +287,8 @@ def distilled_for(target_model, target_name: str) -> dict:
 
 
 def save_distilled(draft_model, tokenizer, folder: Path, info: dict) -> None:
-    """The draft as a model folder (weights, config, tokenizer) with distillspec.json beside its weights."""
-    folder = Path(folder)
-    draft_model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / DISTILLSPEC_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    """The draft as a model folder (weights, config, tokenizer) with distillspec.json beside its weights; every file
+    written atomically, distillspec.json removed first and written last (never an old one beside new weights)."""
+    (Path(folder) / DISTILLSPEC_FILE).unlink(missing_ok=True)
+    save_pretrained_atomically(folder, draft_model, tokenizer)
+    write_json_atomically(Path(folder) / DISTILLSPEC_FILE, info)

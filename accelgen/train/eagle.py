@@ -34,6 +34,7 @@ The layer is the target's shape: its width, heads, MLP size and rotary settings.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.atomic import CorruptFileError, load_tensors, save_tensors_atomically
 from accelgen.cache import cache_keyword
 from accelgen.models.runner import additive_mask
 from accelgen.train.heads import load_heads, resume, run_settings, save_checkpoint, save_heads
@@ -152,18 +154,28 @@ def collect_features(model, windows: torch.Tensor, progress: Callable[[int], Non
 
 
 def cached_features(model, windows: torch.Tensor, folder: Path, progress: Callable[[int], None] | None = None):
-    """collect_features, saved in folder and reused by a later run over the same windows."""
-    from safetensors.torch import load_file, save_file
-
+    """collect_features, saved in folder (atomically) and reused by a later run over the same windows."""
     path = Path(folder) / FEATURES
-    if path.exists():
-        saved = load_file(path)
-        if torch.equal(saved["windows"], windows) and saved["features"].shape[-1] == model.config.hidden_size:
-            return saved["features"], saved["choices"]
+    saved = saved_features(path, windows, model.config.hidden_size)
+    if saved is not None:
+        return saved
     features, choices = collect_features(model, windows, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"windows": windows.contiguous(), "features": features.contiguous(), "choices": choices}, path)
+    save_tensors_atomically(path, {"windows": windows, "features": features, "choices": choices})
     return features, choices
+
+
+def saved_features(path: Path, windows: torch.Tensor, hidden_size: int):
+    """(features, choices) from the cache at path if it holds those of these windows at this width, else None.
+    An unreadable cache is None too, with a warning naming it: a damaged cache is computed again, never trusted."""
+    if not path.exists():
+        return None
+    try:
+        saved = load_tensors(path, "computing the features again")
+    except CorruptFileError as error:
+        print(f"accelgen: {error}", file=sys.stderr)
+        return None
+    fits = {"windows", "features", "choices"} <= saved.keys() and torch.equal(saved["windows"], windows)
+    return (saved["features"], saved["choices"]) if fits and saved["features"].shape[-1] == hidden_size else None
 
 
 @dataclass

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import torch
 
+from accelgen.atomic import (load_torch, read_checked, save_tensors_atomically, torch_save_atomically,
+                             write_json_atomically)
+
 
 def save_heads(module, folder, name: str, config: dict) -> None:
-    """`name`.safetensors (the module's weights) and `name`.json (config: what rebuilds it) in folder."""
-    from safetensors.torch import save_file
-
+    """`name`.safetensors (the module's weights) and `name`.json (config: what rebuilds it) in folder, each written
+    atomically. The config goes last and the old one is removed first: heads without their config are not there,
+    so an interrupted save never pairs new weights with an old config."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({key: tensor.contiguous() for key, tensor in module.state_dict().items()}, folder / f"{name}.safetensors")
-    (folder / f"{name}.json").write_text(json.dumps(config, indent=1) + "\n")
+    (folder / f"{name}.json").unlink(missing_ok=True)
+    save_tensors_atomically(folder / f"{name}.safetensors", module.state_dict())
+    write_json_atomically(folder / f"{name}.json", config)
 
 
 def load_heads(cls, folder, name: str, train_command: str, model=None):
@@ -29,8 +32,9 @@ def load_heads(cls, folder, name: str, train_command: str, model=None):
     if not (folder / f"{name}.json").exists():
         raise FileNotFoundError(f"no {name.replace('_', ' ')} in {folder} (no {name}.json); train them with "
                                 f"`{train_command} --out {folder}`")
-    heads = cls(**json.loads((folder / f"{name}.json").read_text()))
-    heads.load_state_dict(load_file(folder / f"{name}.safetensors"))
+    fix = f"train them again with `{train_command} --out {folder}` (a rerun resumes from its checkpoint)"
+    heads = read_checked(folder / f"{name}.json", lambda path: cls(**json.loads(path.read_text())), fix)
+    read_checked(folder / f"{name}.safetensors", lambda path: heads.load_state_dict(load_file(path)), fix)
     if model is not None:
         check_fits(heads.describe_shape(), model, f"these {name.replace('_', ' ')} (trained for "
                                                   f"{heads.base_model or 'another model'})")
@@ -99,7 +103,7 @@ def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> i
     checkpoint it is, for errors ("EAGLE")."""
     if path is None or not Path(path).exists():
         return 0
-    saved = torch.load(path, weights_only=True)
+    saved = load_torch(path, "delete it and rerun the same command to train from the start")
     if saved["settings"] != settings:
         raise ValueError(f"the {what} checkpoint in {Path(path).parent} was trained with other settings; use another --out")
     try:
@@ -111,6 +115,6 @@ def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> i
 
 
 def save_checkpoint(path: Path, step: int, settings: dict, module, optimizer) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "settings": settings, "module": module.state_dict(), "optimizer": optimizer.state_dict()},
-               path)
+    """Atomically: a run killed while saving resumes from the checkpoint before."""
+    torch_save_atomically(path, {"step": step, "settings": settings, "module": module.state_dict(),
+                                 "optimizer": optimizer.state_dict()})

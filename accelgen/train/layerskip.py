@@ -23,7 +23,6 @@ layer's. The CLI reports it before and after training.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -32,9 +31,11 @@ from typing import Callable, Iterable
 
 import torch
 
+from accelgen.atomic import (load_tensors, load_torch, save_pretrained_atomically, torch_save_atomically,
+                             write_json_atomically)
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
 
-TRAINER_FILE = "trainer.pt"  # optimizer state and step, beside the checkpointed model
+TRAINER_FILE = "trainer.pt"  # weights, optimizer state and step: what a rerun resumes from
 CURRICULA = ("rotational", "gradual")
 
 
@@ -171,14 +172,10 @@ def resume(model, optimizer, out_dir: Path, config: LayerSkipConfig) -> int:
     trainer = out_dir / TRAINER_FILE
     if not trainer.exists():
         return 0
-    state = torch.load(trainer, weights_only=False)
+    state = load_torch(trainer, f"delete it and rerun `accelgen train layerskip --out {out_dir}` to start over")
     if state["config"] != asdict(config) | {"steps": state["config"]["steps"]}:
         raise ValueError(f"{out_dir} holds a checkpoint trained with other settings; use another --out")
-    from safetensors.torch import load_file
-
-    weights = {}
-    for shard in sorted(out_dir.glob("*.safetensors")):
-        weights.update(load_file(shard))
+    weights = state["model"] if "model" in state else model_files_weights(out_dir)
     missing = model.load_state_dict(weights, strict=False).missing_keys
     if [key for key in missing if not (key == "lm_head.weight" and model.config.tie_word_embeddings)]:
         raise ValueError(f"the checkpoint in {out_dir} does not fit this model (missing {missing[:3]} ...)")
@@ -186,9 +183,18 @@ def resume(model, optimizer, out_dir: Path, config: LayerSkipConfig) -> int:
     return state["step"]
 
 
+def model_files_weights(out_dir: Path) -> dict:
+    """The weights of the model files in out_dir: where checkpoints written before trainer.pt held them were."""
+    weights = {}
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        weights.update(load_tensors(shard, f"delete {out_dir / TRAINER_FILE} to train from the start"))
+    return weights
+
+
 def save_checkpoint(model, tokenizer, optimizer, out_dir: Path, step: int, config: LayerSkipConfig) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(config)}, out_dir / TRAINER_FILE)
-    (out_dir / "layerskip.json").write_text(json.dumps({"step": step, **asdict(config)}, indent=1) + "\n")
+    """trainer.pt first, whole in one atomic file (weights, optimizer state, step, settings): what a rerun resumes
+    from, whenever the run was killed. Then the model folder (each file atomic, config.json last) and layerskip.json."""
+    torch_save_atomically(out_dir / TRAINER_FILE, {"step": step, "optimizer": optimizer.state_dict(),
+                                                   "config": asdict(config), "model": model.state_dict()})
+    save_pretrained_atomically(out_dir, model, tokenizer)
+    write_json_atomically(out_dir / "layerskip.json", {"step": step, **asdict(config)})

@@ -16,7 +16,7 @@ PROMPT = [5, 17, 923, 4410, 77, 12]
 CHAT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
 
-def test_drafts_carry_the_amateur_distributions(tiny_draft):
+def test_drafts_carry_the_amateur_distributions(tiny_draft, assert_reordered):
     drafter = DraftModelDrafter(tiny_draft, SamplingConfig(), None, gamma=4, greedy_draft_probs=True)
     context = PROMPT
     for _ in range(2):  # the second proposal reuses the draft cache after a partial acceptance
@@ -25,7 +25,7 @@ def test_drafts_carry_the_amateur_distributions(tiny_draft):
         for i in range(len(draft)):
             with torch.no_grad():
                 logits = tiny_draft(torch.tensor([context + draft.tokens[:i].tolist()])).logits[0, -1]
-            torch.testing.assert_close(draft.draft_probs[i], torch.softmax(logits, dim=-1), rtol=1e-4, atol=1e-6)
+            assert_reordered(draft.draft_probs[i], torch.softmax(logits, dim=-1))
         context = context + draft.tokens[:2].tolist() + [31337]
 
 

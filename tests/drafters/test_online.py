@@ -83,7 +83,7 @@ def test_a_fresh_learner_per_call_without_the_option(sharp_target, draft, tokeni
 @pytest.mark.parametrize("options, message", [
     ({"interval": 0}, "interval must be an integer >= 1, got 0"),
     ({"buffer_size": -1}, "buffer_size must be an integer >= 1"),
-    ({"update_steps": 1.5}, "update_steps must be an integer >= 1"),
+    ({"update_steps": 1.5}, "update_steps must be an integer, got 1.5"),
     ({"learning_rate": 0}, "learning_rate must be a number > 0"),
     ({"divergence": "jsd"}, "unknown divergence 'jsd'"),
     ({"train_layers": 3}, "train_layers must be between 1 and the draft's 2 layers"),

@@ -1,12 +1,14 @@
 """REST: suffix array, datastore lookups, the frequency trie, and lossless generation."""
 
 import json
+import shutil
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from accelgen.atomic import CorruptFileError
 from accelgen.draft import ROOT
 from accelgen.drafters.rest import (
     SEPARATOR,
@@ -139,6 +141,23 @@ def test_clear_errors(small_store, tmp_path):
         RestDrafter(small_store, min_query=3, max_query=2)
     with pytest.raises(ValueError):
         write_datastore([[1, -5]], tmp_path / "bad", progress=False)
+
+
+def test_a_truncated_datastore_file_is_named(small_store):
+    path = small_store.path / "suffix_array.npy"
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(CorruptFileError, match=r"suffix_array.npy has \d+ bytes where datastore.json records") as error:
+        Datastore(small_store.path)
+    assert f"accelgen datastore build --model M --dataset sharegpt --out {small_store.path}" in str(error.value)
+
+
+def test_files_of_another_build_are_refused(small_store, tmp_path):
+    """Another build's tokens.npy beside this build's suffix array and datastore.json (what an in-place rebuild
+    killed after its first file left) is refused, never searched."""
+    write_datastore([[1, 2, 3, 4]] * 30, tmp_path / "other", progress=False)
+    shutil.copy(tmp_path / "other" / "tokens.npy", small_store.path / "tokens.npy")
+    with pytest.raises(CorruptFileError, match="from another build; rebuild the datastore"):
+        Datastore(small_store.path)
 
 
 def test_lookups_stay_fast_on_a_large_datastore(tmp_path):

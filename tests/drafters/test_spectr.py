@@ -31,5 +31,5 @@ def test_sampling_keeps_the_target_distribution(assert_samples_target, sampling_
 
 @pytest.mark.parametrize("options", [{"num_drafts": 0}, {"gamma": 0}, {"num_drafts": "3"}, {"gamma": 2.5}])
 def test_bad_options_are_clear_errors(tiny_target, tokenizer, options):
-    with pytest.raises(ValueError, match="spectr: (num_drafts|gamma) must be an integer >= 1"):
+    with pytest.raises(ValueError, match="spectr: (num_drafts|gamma) must be an integer"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="spectr", draft_model=tiny_target, **options)

@@ -34,8 +34,8 @@ def live_server(tiny_target, tokenizer):
     """A real uvicorn server on loopback, for the openai client and client disconnects."""
     engine = Engine(max_batch=4)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(server_config(tiny_target, tokenizer, max_tokens=400), engine),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    config = server_config(tiny_target, tokenizer, max_tokens=400, body_timeout_seconds=2.0)
+    server = uvicorn.Server(uvicorn.Config(create_app(config, engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

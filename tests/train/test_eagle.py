@@ -75,6 +75,17 @@ def test_features_are_cached_once(tiny_target, data, tmp_path, monkeypatch):
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]) and torch.equal(again[1], choices)
 
 
+def test_a_damaged_feature_cache_is_computed_again(tiny_target, data, tmp_path, capsys):
+    windows, features, choices = data
+    eagle.cached_features(tiny_target, windows, tmp_path)
+    path = tmp_path / eagle.FEATURES
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    again = eagle.cached_features(tiny_target, windows, tmp_path)
+    assert torch.equal(again[0], features) and torch.equal(again[1], choices)
+    assert f"{path} is unreadable" in capsys.readouterr().err  # the warning names the file
+    assert torch.equal(load_file(path)["features"], features)  # and it is whole again
+
+
 def test_the_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
     windows = torch.tensor([[7, 7, 7, 5, 5, 9]])
     choices = torch.tensor([[9, 9, 9, 9, 7, 5]])
@@ -127,3 +138,21 @@ def test_export_refuses_what_is_not_an_eagle_head(tmp_path):
     (tmp_path / "medusa_heads.json").write_text("{}")
     with pytest.raises(ValueError, match="holds Medusa heads; only EAGLE heads"):
         export_vllm_eagle(tmp_path, tmp_path / "out")
+
+
+def test_export_overwrites_files_only_with_force(tiny_target, data, tmp_path):
+    windows, features, choices = data
+    head, _ = train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=1, **SMALL))
+    head.save(tmp_path / "head")
+    out = tmp_path / "vllm"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    command = ["export", "vllm", str(tmp_path / "head"), "--out", str(out)]
+    refused = CliRunner().invoke(app, command)
+    assert refused.exit_code == 2 and "--force" in refused.output, refused.output
+    assert (out / "config.json").read_text() == "mine" and not (out / "model.safetensors").exists()
+    with pytest.raises(FileExistsError, match="already holds config.json"):
+        export_vllm_eagle(tmp_path / "head", out)
+    forced = CliRunner().invoke(app, [*command, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"

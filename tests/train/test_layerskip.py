@@ -1,11 +1,14 @@
 """LayerSkip training: the schedules, the loss (= the plain LM loss without dropout and early exits), training
 that improves an early exit, and checkpoints that resume to exactly the same weights."""
 
+import os
+
 import pytest
 import torch
 
-from accelgen.train.layerskip import (LayerSkipConfig, exit_accuracy, exit_loss_weights, layer_dropout_rates,
-                                      layerskip_loss, packed_windows, train_layerskip)
+from accelgen.atomic import CorruptFileError
+from accelgen.train.layerskip import (TRAINER_FILE, LayerSkipConfig, exit_accuracy, exit_loss_weights,
+                                      layer_dropout_rates, layerskip_loss, packed_windows, train_layerskip)
 
 
 def test_layer_dropout_rises_from_nothing_to_p_max():
@@ -68,6 +71,20 @@ def test_a_resumed_run_ends_with_the_same_weights(make_tiny_model, tokenizer, tm
     with pytest.raises(ValueError, match="other settings"):
         train_layerskip(resumed, tokenizer, windows, LayerSkipConfig(steps=6, **{**settings, "p_max": 0.2}),
                         tmp_path / "resumed")
+
+
+def test_a_crafted_checkpoint_runs_no_code(make_tiny_model, tmp_path):
+    class Payload:  # what unpickling it would run
+        def __reduce__(self):
+            return os.mkdir, (str(tmp_path / "code ran"),)
+
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"step": 2, "config": {}, "optimizer": Payload()}, out / TRAINER_FILE)
+    windows = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CorruptFileError, match=f"trainer.pt is unreadable .*accelgen train layerskip --out {out}"):
+        train_layerskip(make_tiny_model("qwen2", seed=4), None, windows, LayerSkipConfig(steps=2, seq_len=8), out)
+    assert not (tmp_path / "code ran").exists()
 
 
 def test_the_command_trains_reports_and_plots(command_inputs, tmp_path):

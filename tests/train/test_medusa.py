@@ -7,6 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from accelgen.atomic import CorruptFileError
 from accelgen.cli import app
 from accelgen.train import medusa as medusa_training
 from accelgen.train.eagle import FEATURES, collect_features, draft_vocabulary
@@ -83,6 +84,28 @@ def test_saved_heads_load_only_onto_a_model_they_fit(trained, make_tiny_model, t
         MedusaHeads.load(tmp_path / "heads", make_tiny_model("qwen2", seed=3, vocab_size=8))
     with pytest.raises(FileNotFoundError, match="accelgen train medusa"):
         MedusaHeads.load(tmp_path / "nothing")
+
+
+def test_damaged_heads_are_named_with_the_command_that_trains_them(trained, tmp_path):
+    heads = trained[-1]
+    heads.save(tmp_path)
+    weights = tmp_path / "medusa_heads.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CorruptFileError, match="medusa_heads.safetensors is unreadable .*`accelgen train medusa --out"):
+        MedusaHeads.load(tmp_path)
+
+
+def test_a_damaged_checkpoint_is_named_not_aborted(command_inputs, tmp_path):
+    folder, dataset = command_inputs(4)
+    checkpoint = tmp_path / "heads" / medusa_training.CHECKPOINT
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"")  # what a kill during an in-place write left
+    result = CliRunner().invoke(app, ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--heads", "2",
+                                      "--windows", "4", "--held-out", "1", "--seq-len", "12", "--steps", "2",
+                                      "--batch-size", "16", "--draft-vocab", "0", "--out", str(checkpoint.parent)])
+    printed = "".join(result.output.split())  # without the console's line breaks
+    assert result.exit_code == 2 and "Aborted" not in result.output, result.output
+    assert f"{checkpoint}isunreadable" in printed and "deleteitandrerunthesamecommand" in printed, result.output
 
 
 def test_the_command_trains_evaluates_saves_and_shares_a_feature_cache(command_inputs, tmp_path):
