@@ -131,6 +131,15 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def parse_method_option(method: str, name: str, text: str):
+    """A command-line value of `method`'s option `name`, parsed by the option's declared type (JSON or text where
+    the method or the option is not a registered one, e.g. the benchmark's HF rows)."""
+    _load_builtin_methods()
+    spec = _METHODS.get(method)
+    default_known = spec is not None and name in spec.options
+    return parse_option_value(text, option_types(name, spec.options[name]) if default_known else None)
+
+
 def get_method(name: str) -> MethodSpec:
     _load_builtin_methods()
     try:

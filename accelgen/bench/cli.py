@@ -14,7 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
-from accelgen.registry import parse_option_value
+from accelgen.bench.methods import VARIANT
+from accelgen.registry import parse_method_option
 
 console = Console(stderr=True)
 
@@ -28,7 +29,8 @@ def parse_method_options(pairs: list[str]) -> dict[str, dict]:
         method, dot, name = key.rpartition(".")
         if not sep or not dot or not method or not name:
             raise ValueError(f"method option {pair!r} must look like method.name=value, e.g. speculative.gamma=8")
-        options.setdefault(method, {})[name.replace("-", "_")] = parse_option_value(value)
+        name = name.replace("-", "_")
+        options.setdefault(method, {})[name] = parse_method_option(method.partition(VARIANT)[0], name, value)
     return options
 
 

@@ -24,7 +24,7 @@ from accelgen.bench.llamacpp import LlamaCppPeers
 from accelgen.bench.records import generation_record
 from accelgen.generate import eos_token_ids
 from accelgen.models.loading import check_weights
-from accelgen.registry import merge_options, parse_option_value
+from accelgen.registry import merge_options, parse_method_option
 
 BASELINE = "hf-greedy"
 # A variant runs a method with some options set as a row of its own, e.g. to sweep a lossy method's
@@ -121,7 +121,8 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
         if not sep or not key:
             raise ValueError(f"method variant {name!r}: write its options as name=value joined by '+', "
                              "e.g. specdec@beta=2+tau=0.5")
-        values[key.replace("-", "_")] = parse_option_value(value)
+        key = key.replace("-", "_")
+        values[key] = parse_method_option(base_name, key, value)
     base = methods[base_name]
     # draft=PATH gives the row a draft model of its own, e.g. to compare a distilled draft with the original;
     # weights=FORMAT and draft_weights=FORMAT load the row's target and draft in formats of their own

@@ -281,6 +281,15 @@ def test_parse_method_options():
         "speculative": {"gamma": 8, "gamma_schedule": "heuristic"}, "hf-assisted": {"num_assistant_tokens": 5}}
     with pytest.raises(ValueError, match="method.name=value"):
         parse_method_options(["gamma=8"])
+    # values follow the option's declared type: auto's workload is a word, even one that reads as a number
+    assert parse_method_options(["auto.workload=2024", "pld.max_ngram=2"]) == {
+        "auto": {"workload": "2024"}, "pld": {"max_ngram": 2}}
+
+
+def test_variant_values_follow_the_option_type():
+    from accelgen.bench.methods import available_methods, variant
+
+    assert variant(available_methods(), "auto@workload=2024").options["workload"] == "2024"
 
 
 @pytest.mark.parametrize("arguments, message", [
