@@ -20,7 +20,8 @@ arXiv:2310.18813). Two policies:
 
   g = 0 is plain batched decoding. While g stays 0, one step in `probe_interval` drafts one token anyway, so
   that the acceptance estimates do not go stale: as often as keeps the probes' cost (t(b, 2) + draft round
-  over t(b, 1), less one) under costs.PROBE_COST of the decoding time.
+  over t(b, 1), less one) under costs.PROBE_COST of the decoding time; and never where no g would pay even
+  with every drafted token accepted (a probe would only make the draft models catch up on skipped tokens).
 
 Either way the cap only shortens drafts, so outputs are unchanged: each request still gets exactly the
 tokens it would get alone.
@@ -155,10 +156,15 @@ class Goodput:
                                    self.target, self.draft, self.max_draft)
         self._idle_steps = self._idle_steps + 1 if length == 0 else 0
         if self._idle_steps >= probe_interval(self.probe_cost(len(decoding), drafting_with_model)):
-            self._idle_steps = 0  # keep the acceptance estimates fresh
-            length = min(1, self.max_draft)
+            self._idle_steps = 0  # keep the acceptance estimates fresh, where they can change the answer:
+            if self.could_pay(len(decoding), drafting_with_model):  # a probe also makes draft models catch up
+                length = min(1, self.max_draft)
         self._lengths = (self._lengths[1], length)
         return length
+
+    def could_pay(self, batch: int, drafting_with_model: int) -> bool:
+        """Whether some draft length would pay for this batch were every drafted token accepted."""
+        return best_draft_length([1.0] * batch, drafting_with_model, self.target, self.draft, self.max_draft) > 0
 
     def probe_cost(self, batch: int, drafting_with_model: int) -> float:
         """What a step drafting one token costs more than a plain step, in plain steps (if nothing is accepted)."""

@@ -93,11 +93,21 @@ def test_goodput_learns_acceptance_per_request_and_per_method():
 
 
 def test_goodput_probes_while_it_does_not_draft():
-    policy = Goodput(ForwardCosts({1: {1: 1.0, 2: 2.0}}), max_draft=4)  # drafting never pays
+    # verification grows slower than its width: well-accepted drafts would pay, so acceptance is kept measured
+    policy = Goodput(ForwardCosts({1: {1: 1.0, 2: 1.9, 5: 3.0}}), max_draft=4)
     request = fake_request("speculative", with_draft_model=True)
-    interval = probe_interval(2.0 / 1.0 - 1)  # a probe costs t(1, 2) / t(1, 1) − 1 steps if rejected
+    for _ in range(20):
+        policy.verified(request, drafted=4, accepted=0)  # drafting does not pay at this acceptance
+    interval = probe_interval(1.9 / 1.0 - 1)  # a probe costs t(1, 2) / t(1, 1) − 1 steps if rejected
     lengths = [policy.draft_length([request]) for _ in range(2 * interval)]
     assert lengths.count(1) == 2 and lengths.count(0) == 2 * interval - 2
+
+
+def test_goodput_makes_no_probe_where_no_draft_could_pay():
+    policy = Goodput(ForwardCosts({1: {1: 1.0, 2: 2.0}}), max_draft=4)  # verifying k tokens costs k steps
+    request = fake_request("speculative", with_draft_model=True)
+    assert not policy.could_pay(1, 1)
+    assert [policy.draft_length([request]) for _ in range(3 * probe_interval(1.0))] == [0] * 3 * probe_interval(1.0)
 
 
 def test_goodput_measures_target_and_draft_rounds():
