@@ -3,7 +3,10 @@
 Also stacks per-sequence caches into one padded batch and splits it again (see models/batch.py).
 
 Works on the tensors of each layer of a `DynamicCache` (keys/values of shape (batch, kv_heads, seq, head_dim)).
-Caches whose layers cannot be rolled back this way (sliding windows, linear-attention states) are refused early.
+Every layer keeps every position, sliding-window layers included: HF's window cache drops the oldest positions
+as it goes, which a rejected draft could not give back, while a full cache can always be cropped. The window
+is then kept by the attention masks (`layer_windows`, used by models/runner.py). Layers whose state cannot be
+rolled back (recurrent / linear-attention states) are refused early, as HF refuses them assisted generation.
 """
 
 from __future__ import annotations
@@ -13,30 +16,44 @@ from functools import lru_cache
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+# HF's layer types (transformers.cache_utils) that accelgen decodes: attention over a KV cache it can roll back
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
     """The keyword a model, decoder layer or attention module takes its KV cache by: `cache` in newer
-    transformers releases, `past_key_values` before (still accepted there, with a deprecation warning)."""
+    transformers releases, `past_key_values` before (still accepted there, with a deprecation warning), and
+    `layer_past` in some attention modules (GPT-NeoX, Bloom)."""
     return _cache_keyword(type(module))
 
 
 @lru_cache(maxsize=None)
 def _cache_keyword(module_type: type) -> str:
     call = getattr(module_type, "forward", None) or module_type.__call__  # a stand-in model may define only __call__
-    return "cache" if "cache" in inspect.signature(call).parameters else "past_key_values"
+    parameters = inspect.signature(call).parameters
+    return next((name for name in ("cache", "layer_past") if name in parameters), "past_key_values")
 
 
 def new_cache(config) -> DynamicCache:
-    cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            kind = "sliding-window" if isinstance(layer, DynamicSlidingWindowLayer) else type(layer).__name__
-            raise NotImplementedError(
-                f"accelgen needs a KV cache it can roll back; this model's config asks for {kind} cache layers"
-            )
-    return cache
+    """An empty cache with one full (never windowed) layer per decoder layer of the model `config` describes."""
+    windows = layer_windows(config)
+    return DynamicCache(ddp_cache_data=[(None, None)] * len(windows))  # no data: empty full `DynamicLayer`s
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer, its sliding window (a query at position p sees the keys at positions q with
+    p - q < window, as HF's masks) or None for full attention. Read from HF's own description of the layers,
+    the one its `DynamicCache(config=...)` is built from. A ValueError names a layer kind accelgen cannot decode."""
+    layer_types, layer_options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    refused = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    if refused:
+        raise ValueError(f"{config.model_type} has {', '.join(refused)} layers, which accelgen cannot decode: "
+                         f"verifying drafts needs full or sliding-window attention over a KV cache that can be rolled "
+                         f"back after a rejected draft (a recurrent state cannot be; HF refuses such models assisted "
+                         f"generation too)")
+    return [options.get("sliding_window") for options in layer_options]
 
 
 def cache_length(cache: DynamicCache) -> int:

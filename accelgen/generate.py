@@ -11,6 +11,7 @@ alone, the server's engine (accelgen/server/engine.py) runs many through batched
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,12 +20,15 @@ import torch
 
 from accelgen.costs import budgeted
 from accelgen.draft import Draft, tree_attention
-from accelgen.models.batch import forward_alone
+from accelgen.hf import Settings, generation_settings
+from accelgen.models.batch import batched_forward, forward_alone, forward_together
 from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.registry import check_option, get_method
-from accelgen.sampling import SamplingConfig, logits_to_probs
+from accelgen.processors import build_pipeline
+from accelgen.sampling import PositionNoise, SamplingConfig, logits_to_probs, sampling_scores
 from accelgen.stopping import Output
-from accelgen.verify import verify_greedy, verify_speculative_sampling
+from accelgen.structured import grammar_constraint
+from accelgen.verify import verify_greedy, verify_gumbel, verify_speculative_sampling
 
 
 # "method": drafts as long as the method's options say; "measured": capped each step at the length the measured
@@ -34,8 +38,22 @@ DRAFT_BUDGETS = ("method", "measured")
 # the types generate()'s own arguments take (float: a finite number, an int too), checked as method options are
 ARGUMENT_TYPES = {"max_new_tokens": (int,), "temperature": (float,), "top_k": (int,), "top_p": (float,),
                   "seed": (int, type(None))}
-ONE_PROMPT = ("generate() runs one prompt; batched prompts are not supported: call it once per prompt, or serve "
-              "them with `accelgen serve`, whose engine batches concurrent requests")
+ONE_PROMPT = ("one prompt is expected here; generate() takes several as a list of prompts or as a (batch, L) tensor "
+              "with its attention_mask, and `accelgen serve` batches concurrent requests")
+
+
+@dataclass
+class TokenLogprob:
+    """A committed token's log-probability and the top alternatives, from the target's processed distribution at
+    its position (log_softmax of `GenerationResult.scores`' row: processors applied, and when sampling also
+    temperature, top-k and top-p, as transformers' output_scores)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; tokens the processing excluded are left out
+
+    def to_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(pair) for pair in self.top]}
 
 
 @dataclass
@@ -44,15 +62,22 @@ class GenerationResult:
     text: str  # decoded new text, cut before a stop string
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or context limit) or "abort" (cut short)
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when requested (logprobs=k), else None
+    scores: torch.Tensor | None = None  # (new_tokens, vocab) float32 processed target scores, with output_scores=True
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, "stats": self.stats}
+        result = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                  "stats": self.stats}
+        if self.logprobs is not None:
+            result["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return result
 
 
 @dataclass
 class Chunk:
     token_ids: list[int]  # tokens committed by one step
     text: str  # text that became final with them (may be empty while a character or stop string is pending)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when logprobs were requested
 
 
 class GenerationStream:
@@ -102,32 +127,121 @@ def generate(
     tokenizer,
     prompt,
     *,
-    method: str = "autoregressive",
+    method: str | None = None,
     draft_model=None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop: list[str] | str | None = None,
     stream: bool = False,
-    **method_options,
-) -> GenerationResult | GenerationStream:
+    generation_config=None,
+    attention_mask=None,
+    streamer=None,
+    **options,
+) -> GenerationResult | GenerationStream | list[GenerationResult]:
     """Generate up to max_new_tokens after prompt with the named method.
 
     prompt: text, token ids (list or 1-D tensor), or chat messages [{"role": ..., "content": ...}, ...]
-    (rendered with the tokenizer's chat template). Greedy when temperature is 0. Returns a GenerationResult,
-    or with stream=True a GenerationStream of Chunks whose `.result` is set at the end.
+    (rendered with the tokenizer's chat template). Or several prompts: a list of them, or a (batch, L) tensor of
+    token ids with its attention_mask (left or right padding; without a mask, pad_token_id tells the padding).
+    Several prompts run together through batched forwards, each row exactly as if alone, and give a list of
+    GenerationResults. Greedy when temperature is 0.
+
+    Arguments left out (None) are read as transformers reads them (accelgen/hf.py): from generation_config (a
+    transformers GenerationConfig), then model.generation_config, else accelgen's defaults (128 new tokens,
+    greedy, autoregressive). transformers' names work too (do_sample, max_length, eos_token_id, stop_strings,
+    repetition_penalty, assistant_model = method speculative, prompt_lookup_num_tokens = method pld, ...); one
+    accelgen cannot honour (num_beams=4) is an error. streamer: a transformers streamer (TextStreamer,
+    TextIteratorStreamer), put the prompt and then each step's tokens. Returns a GenerationResult, or with
+    stream=True a GenerationStream of Chunks whose `.result` is set at the end.
     """
-    sequence = Sequence.start(model, tokenizer, prompt, method=method, draft_model=draft_model,
-                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              seed=seed, stop=stop, **method_options)
-    steps = GenerationStream(_steps(sequence))
+    settings = generation_settings(model, generation_config, dict(
+        method=method, draft_model=draft_model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, stop=stop, **options))
+    pad_token_id = settings.pad_token_id if settings.pad_token_id is not None else tokenizer.pad_token_id
+    eos = set(settings.eos_token_ids) if settings.eos_token_ids is not None else eos_token_ids(model, tokenizer)
+    prompts, several = prompt_rows(prompt, attention_mask, pad_token_id, eos)
+    if several and (stream or streamer is not None):
+        raise ValueError("stream=True and streamer= take one prompt (as transformers' streamers do); "
+                         "several prompts give a list of results")
+    sequences = start_sequences(model, tokenizer, prompts, settings)
+    if several:
+        return run_together(sequences)
+    steps = _steps(sequences[0])
+    if streamer is not None:
+        steps = fed_to(streamer, sequences[0].context, steps)
+    steps = GenerationStream(steps)
     if stream:
         return steps
     for _ in steps:
         pass
     return steps.result
+
+
+def start_sequences(model, tokenizer, prompts: list, settings: Settings) -> list["Sequence"]:
+    """A started Sequence per prompt (all or none: a bad prompt releases those started before it)."""
+    sequences = []
+    try:
+        for prompt in prompts:
+            arguments = settings.arguments
+            if settings.max_length is not None:  # transformers' limit on prompt + new tokens
+                prompt = encode_prompt(tokenizer, prompt)
+                arguments = {**arguments, "max_new_tokens": new_tokens_within(settings.max_length, len(prompt))}
+            if settings.eos_token_ids is not None:  # eos_token_id given: exactly those end generation
+                arguments = {**arguments, "eos_ids": set(settings.eos_token_ids)}
+            sequence = Sequence.start(model, tokenizer, prompt, **arguments)
+            sequences.append(sequence)
+    except BaseException:
+        for sequence in sequences:
+            sequence.finish()
+        raise
+    return sequences
+
+
+def new_tokens_within(max_length: int, prompt_tokens: int) -> int:
+    check_option("max_length", max_length, (int,))
+    if max_length < prompt_tokens:
+        raise ValueError(f"max_length={max_length} (prompt + new tokens) is shorter than the {prompt_tokens}-token "
+                         "prompt: pass max_new_tokens")
+    return max_length - prompt_tokens
+
+
+def run_together(sequences: list["Sequence"]) -> list[GenerationResult]:
+    """Step several sequences together as the server's engine does: their draft models in lockstep
+    (forward_together), one batched target forward, then each verifies and commits alone, on its own KV cache,
+    so that each decodes exactly as it would alone. Returns their results in order."""
+    try:
+        while active := [sequence for sequence in sequences if not sequence.done]:
+            steps = forward_together([sequence.planning() for sequence in active])
+            failed = next((step for step in steps if isinstance(step, Exception)), None)
+            if failed is not None:
+                raise failed
+            logits = batched_forward([sequence.target for sequence in active],
+                                     [(step.input_ids, step.tree, step.logits_for_last) for step in steps])
+            for sequence, step, rows in zip(active, steps, logits):
+                sequence.commit(step, rows)
+    finally:
+        results = [sequence.finish() for sequence in sequences]  # (also releases them when a step failed)
+    return results
+
+
+def fed_to(streamer, prompt_ids: torch.Tensor, steps):
+    """The steps, each one's tokens also put to a transformers streamer: first the prompt_ids (n,) as a (1, n)
+    batch, as transformers does (TextStreamer(skip_prompt=True) skips it), and end() when done or abandoned."""
+    streamer.put(prompt_ids[None])
+    try:
+        while True:
+            try:
+                chunk = next(steps)
+            except StopIteration as done:
+                return done.value
+            if chunk.token_ids:
+                streamer.put(torch.tensor(chunk.token_ids))
+            yield chunk
+    finally:
+        streamer.end()
 
 
 def _steps(sequence: "Sequence"):
@@ -165,7 +279,12 @@ class Sequence:
     sequences by the server), then `commit` (verify, roll the cache back to the accepted path, emit tokens).
     """
 
-    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator):
+    def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator, *,
+                 sampling: SamplingConfig | None = None, per_position: bool = False, logprobs: int | None = None,
+                 output_scores: bool = False):
+        """sampling: its processors process every target row before verification; per_position: verify with
+        sampling.noise (seeded lossless sampling, verify_gumbel) instead of `verify`; logprobs / output_scores:
+        record, per committed token, its log-probability and top alternatives / its processed scores."""
         self.target = target
         self.drafter = drafter
         self.verify = verify
@@ -174,12 +293,32 @@ class Sequence:
         self.context = torch.tensor(prompt_ids, dtype=torch.long)
         self.prompt_tokens = len(prompt_ids)
         self.stats = Stats()
+        self.sampling = sampling or SamplingConfig()
+        self.per_position = per_position
+        self.top_logprobs = logprobs
+        self.output_scores = output_scores
+        self.token_logprobs: list[TokenLogprob] = []
+        self.scores: list[torch.Tensor] = []  # (tokens of a step, vocab) each
 
     @classmethod
     def start(cls, model, tokenizer, prompt, *, method: str = "autoregressive", draft_model=None,
               max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-              seed: int | None = None, stop: list[str] | str | None = None, **method_options) -> "Sequence":
-        """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input."""
+              seed: int | None = None, stop: list[str] | str | None = None, repetition_penalty: float = 1.0,
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, no_repeat_ngram_size: int = 0,
+              min_new_tokens: int = 0, bad_words_ids: list[list[int]] | None = None,
+              logits_processors: list | None = None, logprobs: int | None = None, output_scores: bool = False,
+              response_format: dict | None = None, eos_ids: set[int] | None = None,
+              **method_options) -> "Sequence":
+        """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input.
+
+        Processing (docs/sampling-and-constraints.md): repetition_penalty, no_repeat_ngram_size, min_new_tokens
+        (EOS banned before) and bad_words_ids as transformers applies them; presence_penalty / frequency_penalty
+        as OpenAI's (over generated tokens); logits_processors: callables (context_ids (n,) long, logits (vocab,)
+        float32) -> logits; response_format: OpenAI's {"type": "text" | "json_object" | "json_schema", ...}.
+        logprobs=k records each committed token's log-probability and top k alternatives; output_scores=True
+        the processed scores. With a seed, lossless methods sample per position (verify_gumbel).
+        eos_ids: the tokens that end generation (None: the model's and the tokenizer's, `eos_token_ids`);
+        min_new_tokens bans them and the grammar of response_format ends with them."""
         spec = get_method(method)
         draft_budget = method_options.pop("draft_budget", "method")
         if draft_budget not in DRAFT_BUDGETS:
@@ -206,6 +345,22 @@ class Sequence:
         outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
         if outside:
             raise ValueError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{target.vocab_size - 1})")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (how many top alternatives), got {logprobs!r}")
+        if not isinstance(output_scores, bool):
+            raise ValueError(f"output_scores must be true or false, got {output_scores!r}")
+        eos = set(eos_ids) if eos_ids is not None else eos_token_ids(model, tokenizer)
+        constraint = grammar_constraint(response_format, tokenizer, target.vocab_size, eos, len(prompt_ids))
+        processors = build_pipeline(
+            prompt_length=len(prompt_ids), eos_token_ids=eos, vocab_size=target.vocab_size,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, logits_processors=logits_processors,
+            constraint=constraint)
+        # seeded sampling with a lossless method: per-position noise, so the tokens do not depend on the drafts
+        per_position = seed is not None and not sampling.greedy and spec.lossless == "distribution-exact"
+        noise = PositionNoise(seed, target.vocab_size) if per_position else None
+        sampling = dataclasses.replace(sampling, processors=processors, noise=noise)
         make_verifier = spec.make_verifier or default_verifier
         verify = make_verifier(sampling, **options)
         drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
@@ -218,8 +373,9 @@ class Sequence:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(text, str) for text in stop):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-        output = Output(tokenizer, eos_token_ids(model, tokenizer), stop, max_new_tokens)
-        return cls(target, drafter, verify, prompt_ids, output, generator)
+        output = Output(tokenizer, eos, stop, max_new_tokens)
+        return cls(target, drafter, verify, prompt_ids, output, generator, sampling=sampling,
+                   per_position=per_position, logprobs=logprobs, output_scores=output_scores)
 
     @property
     def done(self) -> bool:
@@ -270,20 +426,46 @@ class Sequence:
         if step.prefill_only:
             return Chunk([], "")
         draft = step.draft
-        verdict = self.verify(draft, target_logits, self.generator)
+        scores = self.processed(draft, target_logits)
+        if self.per_position:
+            verdict = verify_gumbel(draft, scores, self.sampling, first_position=len(self.context))
+        else:
+            verdict = self.verify(draft, scores, self.generator)
         prefix = len(self.context) - 1  # cache positions before the root
         self.target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
-        self.drafter.update(draft, verdict, target_logits)
+        self.drafter.update(draft, verdict, target_logits)  # the model's own logits: drafters learn the model
         self.stats.record(draft, len(verdict.accepted))
         committed = []
         for token in verdict.new_tokens(draft):
             committed.append(token)
             if self.output.add(token):
                 break
+        # the row that chose each committed token: the root's, then each accepted node's
+        logprobs = self.record(scores, [0] + [node + 1 for node in verdict.accepted], committed)
         self.context = torch.cat([self.context, torch.tensor(committed, dtype=torch.long)])
         if len(self.context) >= self.target.max_positions:
             self.output.finish_reason = self.output.finish_reason or "length"
-        return Chunk(committed, self.output.stream_delta())
+        return Chunk(committed, self.output.stream_delta(), logprobs)
+
+    def processed(self, draft: Draft, target_logits: torch.Tensor) -> torch.Tensor:
+        """target_logits (n+1, vocab) after the request's processors, each row with its own tree path's context
+        (the logits themselves when there are none: no per-row work on the plain path)."""
+        processors = self.sampling.processors
+        return target_logits if processors is None else processors.tree_rows(self.context, draft, target_logits)
+
+    def record(self, scores: torch.Tensor, rows: list[int], tokens: list[int]) -> list[TokenLogprob] | None:
+        """Keep what was asked of the committed tokens, from the rows that chose them (rows[i] of the step's
+        (n+1, vocab) processed logits for tokens[i]; rows may run past a stop)."""
+        if self.top_logprobs is None and not self.output_scores:
+            return None
+        scores = sampling_scores(scores[rows[: len(tokens)]], self.sampling)
+        if self.output_scores:
+            self.scores.append(scores)
+        if self.top_logprobs is None:
+            return None
+        entries = token_logprobs(scores, tokens, self.top_logprobs)
+        self.token_logprobs.extend(entries)
+        return entries
 
     def finish(self) -> GenerationResult:
         """Release per-request drafter state and return the result (also for a sequence cut short)."""
@@ -298,7 +480,24 @@ class Sequence:
         describe = getattr(self.drafter, "describe", None)  # optional: what a policy (`auto`) chose, and why
         if describe is not None:
             stats["choice"] = describe()
-        return GenerationResult(output.token_ids, output.text, output.finish_reason or "abort", stats)
+        logprobs = self.token_logprobs if self.top_logprobs is not None else None
+        scores = None
+        if self.output_scores:
+            scores = torch.cat(self.scores) if self.scores else torch.empty(0, self.target.vocab_size)
+        return GenerationResult(output.token_ids, output.text, output.finish_reason or "abort", stats, logprobs, scores)
+
+
+def token_logprobs(scores: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """scores (c, vocab) float32, the committed tokens (c) -> their TokenLogprobs with the top `top` alternatives
+    (alternatives the processing excluded, at -inf, left out)."""
+    logprobs = torch.log_softmax(scores, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+    entries = []
+    for token, logprob, values, ids in zip(tokens, chosen, best.values.tolist(), best.indices.tolist()):
+        alternatives = [(i, value) for i, value in zip(ids, values) if value != float("-inf")]
+        entries.append(TokenLogprob(token, logprob, alternatives))
+    return entries
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
@@ -331,13 +530,71 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 
 def tensor_token_ids(prompt: torch.Tensor) -> list[int]:
     """The ids of one prompt as a (L,) or (1, L) integer tensor (as a tokenizer returns it)."""
-    if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-        raise ValueError(f"prompt token ids must be integers, got {prompt.dtype} values")
+    check_integer_ids(prompt)
     if prompt.dim() == 2 and len(prompt) == 1:
         prompt = prompt[0]
     if prompt.dim() != 1:
         raise ValueError(f"prompt token ids have shape {tuple(prompt.shape)}, not (L,) or (1, L): {ONE_PROMPT}")
     return prompt.tolist()
+
+
+def check_integer_ids(token_ids: torch.Tensor) -> None:
+    if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+        raise ValueError(f"prompt token ids must be integers, got {token_ids.dtype} values")
+
+
+def prompt_rows(prompt, attention_mask, pad_token_id: int | None, eos_ids: set[int]) -> tuple[list, bool]:
+    """(the prompts, whether several were given): one prompt; a list of prompts (texts, id lists or tensors, chats);
+    or token ids, (L,) or (batch, L), whose padding attention_mask marks, or else pad_token_id (several rows)."""
+    if isinstance(prompt, torch.Tensor) or attention_mask is not None:
+        token_ids = id_tensor(prompt)
+        rows = token_ids[None] if token_ids.dim() == 1 else token_ids
+        if rows.dim() != 2:
+            raise ValueError(f"prompt token ids have shape {tuple(token_ids.shape)}, not (L,) or (batch, L)")
+        mask = padding_mask(rows, token_ids.shape, attention_mask, pad_token_id, eos_ids)
+        return [row[keep].tolist() for row, keep in zip(rows, mask)], token_ids.dim() == 2 and len(rows) > 1
+    several = (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+               and all(isinstance(item, (str, list, tuple)) or isinstance(item, torch.Tensor) and item.dim() > 0
+                       for item in prompt))
+    return (list(prompt), True) if several else ([prompt], False)
+
+
+def id_tensor(prompt) -> torch.Tensor:
+    """Token ids given with an attention_mask, as a tensor (a tensor, or a rectangular list of lists)."""
+    try:
+        token_ids = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError("with attention_mask, the prompt must be token ids: a (batch, L) tensor or equal-length "
+                         "lists") from None
+    check_integer_ids(token_ids)
+    return token_ids
+
+
+def padding_mask(rows: torch.Tensor, shape: torch.Size, attention_mask, pad_token_id: int | None,
+                 eos_ids: set[int]) -> torch.Tensor:
+    """(batch, L) bool, True at each row's own tokens: attention_mask (of the prompt's shape), or where no mask is
+    given and there are several rows, the tokens other than pad_token_id. Each row's tokens must be one run at
+    its end (left padding) or start (right padding), as a tokenizer pads."""
+    if attention_mask is not None:
+        mask = torch.as_tensor(attention_mask)
+        if mask.shape != shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, the prompt {tuple(shape)}")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+        mask, marked_by = mask.reshape(rows.shape).bool(), "attention_mask"
+    elif len(rows) > 1 and pad_token_id is not None and bool((rows == pad_token_id).any()):
+        if pad_token_id in eos_ids:  # an EOS at a row's end may be text: padding cannot be told from it
+            raise ValueError(f"the prompts hold pad_token_id {pad_token_id}, which is also an EOS token, so their "
+                             "padding cannot be told from their text: pass attention_mask")
+        mask, marked_by = rows != pad_token_id, f"pad_token_id {pad_token_id}"
+    else:
+        return torch.ones_like(rows, dtype=torch.bool)
+    for index, keep in enumerate(mask):
+        kept = keep.nonzero().flatten()
+        one_run = len(kept) == 0 or int(kept[-1] - kept[0]) + 1 == len(kept)
+        if not one_run or len(kept) and kept[0] > 0 and kept[-1] < len(keep) - 1:
+            raise ValueError(f"prompt row {index}: its padding ({marked_by}) is neither left nor right padding")
+    return mask
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

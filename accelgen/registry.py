@@ -48,13 +48,33 @@ class MethodSpec:
 LOOP_OPTIONS = ("draft_budget",)
 
 
+# transformers' generate() names -> what to use in accelgen, for an option name that is one of them
+# (accelgen.generate and accelgen.hf translate the ones that mean the same thing: accelgen/hf.py)
+TRANSFORMERS_NAMES = {
+    "assistant_model": "draft_model= (CLI: --draft) with a draft-model method such as speculative",
+    "num_assistant_tokens": "gamma, an option of speculative and the other draft-model methods",
+    "num_assistant_tokens_schedule": "gamma_schedule",
+    "prompt_lookup_num_tokens": "method pld with its option draft_length",
+    "max_matching_ngram_size": "method pld with its option max_ngram",
+    "do_sample": "temperature (0 = greedy)",
+    "max_length": "max_new_tokens",
+    "stop_strings": "stop",
+    "eos_token_id": "generate(eos_token_id=...)",
+    "inputs_embeds": "the prompt's token ids",
+    "past_key_values": "nothing: accelgen keeps its own KV cache",
+}
+
+
 def merge_options(method: str, defaults: dict, options: dict) -> dict:
     """Defaults overlaid with the user's options; unknown option names and values of the wrong type are an error
     (LOOP_OPTIONS pass through)."""
     unknown = sorted(set(options) - set(defaults) - set(LOOP_OPTIONS))
     if unknown:
         known = ", ".join(sorted(defaults)) or "none"
-        raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}")
+        hints = "".join(f"; {name!r} is transformers' name: use {TRANSFORMERS_NAMES[name]}"
+                        for name in unknown if name in TRANSFORMERS_NAMES)
+        raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}"
+                         f"{hints}")
     for name, value in options.items():
         if name in defaults:
             check_option(f"{method}: {name}", value, option_types(name, defaults[name]),

@@ -26,7 +26,7 @@ def seconds_per_token(model, tokenizer, prompts: list[list[int]], max_new_tokens
     seconds = tokens = forwards = 0
     for prompt_ids in prompts:
         started = time.perf_counter()
-        result = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, **method)
+        result = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, **method)
         seconds += time.perf_counter() - started
         tokens += len(result.token_ids)
         forwards += result.stats["target_forwards"]
@@ -44,7 +44,7 @@ def tune_self_speculative(model, tokenizer, prompts: list[list[int]], *, trials:
         raise ValueError("tuning needs at least one trial and one calibration prompt")
     layers = model.config.num_hidden_layers
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    generate(model, tokenizer, prompts[0], max_new_tokens=2)  # warm-up
+    generate(model, tokenizer, prompts[0], max_new_tokens=2, temperature=0.0)  # warm-up
     plain, _ = seconds_per_token(model, tokenizer, prompts, max_new_tokens, method="autoregressive")
 
     def skip_of(params: dict) -> dict[str, list[int]]:
@@ -86,7 +86,7 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     options = candidates(draft_model is not None)
-    generate(model, tokenizer, prompts[0], max_new_tokens=2)  # warm-up
+    generate(model, tokenizer, prompts[0], max_new_tokens=2, temperature=0.0)  # warm-up
     measured: dict[int, tuple[float, float]] = {}
     timed = 0
 

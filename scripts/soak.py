@@ -52,7 +52,7 @@ async def soak(url: str, process, prompts: list[str], methods: list[str], client
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=clients + 4)) as client:
         async def sample_memory():
-            resident = (await scrape(client, url)).get("accelgen_process_resident_bytes")
+            resident = (await scrape(client, url)).get("process_resident_memory_bytes")
             if resident:
                 memory.append((round(time.perf_counter() - t0, 1), resident / 2**20))
 

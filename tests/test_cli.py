@@ -114,3 +114,19 @@ def test_serve_refuses_bad_methods_and_options_before_loading():
 def test_loadtest_refuses_remote_servers():
     result = runner.invoke(app, ["loadtest", "--url", "http://example.com:8000", "--dataset", "humaneval", "--limit", "2"])
     assert result.exit_code == 2 and "only targets this machine" in result.output
+
+
+def test_version():
+    from importlib.metadata import version
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"accelgen {version('accelgen')}"
+
+
+@pytest.mark.parametrize("command", [["tune", "auto"], ["calibrate", "calm"]])
+def test_an_unknown_dataset_stops_tuning_before_any_model_loads(command, monkeypatch):
+    import accelgen.cli
+
+    monkeypatch.setattr(accelgen.cli, "load_with_progress", lambda *args: pytest.fail("loaded a model"))
+    result = runner.invoke(app, [*command, "--dataset", "no-such-set"])
+    assert result.exit_code == 2 and "unknown dataset 'no-such-set'" in result.output and "Traceback" not in result.output

@@ -10,7 +10,7 @@ import accelgen
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.generate import encode_prompt, eos_token_ids
 from accelgen.registry import MethodSpec
-from accelgen.sampling import sample
+from accelgen.sampling import logits_to_probs
 
 PROMPT = [5, 17, 923, 4410, 77, 12]
 
@@ -311,8 +311,10 @@ def test_speculative_sampling_end_to_end_matches_target_distribution(make_tiny_m
     law = first_two_token_law(target, draft, tokenizer, prompt, draws=2000)
     assert 0.5 * float((law - exact).abs().sum()) < tv_bound(2000)
 
-    always_accept = lambda draft, probs, rng: Verdict(list(range(len(draft))), sample(probs[-1], rng))  # noqa: E731
-    monkeypatch.setattr(importlib.import_module("accelgen.generate"), "verify_speculative_sampling", always_accept)
+    def always_accept(draft, logits, sampling, first_position):  # seeded sampling verifies per position (verify_gumbel)
+        return Verdict(list(range(len(draft))), int(torch.multinomial(logits_to_probs(logits[-1], sampling), 1)))
+
+    monkeypatch.setattr(importlib.import_module("accelgen.generate"), "verify_gumbel", always_accept)
     wrong_law = first_two_token_law(target, draft, tokenizer, prompt, draws=600)
     assert 0.5 * float((wrong_law - exact).abs().sum()) > 2 * tv_bound(600)
 
@@ -357,12 +359,15 @@ def test_clear_errors(tiny_target, tokenizer, make_tiny_model):
         accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=-1)
 
 
-@pytest.mark.parametrize("prompt", [
-    torch.tensor([PROMPT, PROMPT]), torch.tensor([[PROMPT]]), [PROMPT, PROMPT[:3]], ["Hello", "there"]])
-def test_several_prompts_at_once_are_refused(tiny_target, tokenizer, prompt):
-    """They used to be flattened into one prompt."""
-    with pytest.raises(ValueError, match="batched prompts are not supported.*once per prompt.*accelgen serve"):
-        accelgen.generate(tiny_target, tokenizer, prompt, max_new_tokens=2)
+def test_a_two_row_tensor_is_two_prompts(tiny_target, tokenizer, tiny_greedy):
+    """It used to be flattened into one prompt."""
+    other = [7, 300, 12]
+    results = accelgen.generate(tiny_target, tokenizer, torch.tensor([PROMPT, other + other]), max_new_tokens=4)
+    assert [result.token_ids for result in results] == [tiny_greedy[:4], hf_greedy(tiny_target, other + other, 4)]
+    with pytest.raises(ValueError, match=r"shape \(1, 1, 6\), not \(L,\) or \(batch, L\)"):
+        accelgen.generate(tiny_target, tokenizer, torch.tensor([[PROMPT]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="one prompt is expected here.*list of prompts"):
+        encode_prompt(tokenizer, [PROMPT, PROMPT[:3]])
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -400,3 +405,231 @@ def test_arguments_of_the_wrong_type_are_named(tiny_target, tokenizer, arguments
 def test_whole_numbers_pass_as_floats(tiny_target, tokenizer, tiny_greedy):
     result = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=3, temperature=0, top_p=1, seed=3)
     assert result.token_ids == tiny_greedy[:3]
+
+
+# --- transformers' settings: GenerationConfig, model.generation_config, HF's names ----------------------------
+
+
+def with_generation_config(model, **fields):
+    model = copy.deepcopy(model)
+    for name, value in fields.items():
+        setattr(model.generation_config, name, value)
+    return model
+
+
+def test_settings_precedence_argument_then_config_then_model_then_accelgen(tiny_target, tokenizer):
+    from transformers import GenerationConfig
+
+    model = with_generation_config(tiny_target, max_new_tokens=3)  # used to be ignored: 128 tokens
+    assert len(accelgen.generate(model, tokenizer, PROMPT).token_ids) == 3
+    assert len(accelgen.generate(model, tokenizer, PROMPT, generation_config=GenerationConfig(max_new_tokens=5)).token_ids) == 5
+    assert len(accelgen.generate(model, tokenizer, PROMPT, generation_config=GenerationConfig(max_new_tokens=5),
+                                 max_new_tokens=6).token_ids) == 6
+    assert len(accelgen.generate(tiny_target, tokenizer, PROMPT, max_length=len(PROMPT) + 2).token_ids) == 2
+    assert len(accelgen.generate(tiny_target, tokenizer, PROMPT, max_length=9, max_new_tokens=4).token_ids) == 4
+    with pytest.raises(ValueError, match="max_length=4 .* shorter than the 6-token prompt"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, max_length=4)
+    with pytest.raises(ValueError, match="generation_config must be a transformers GenerationConfig, not dict"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, generation_config={"max_new_tokens": 3})
+
+
+def test_do_sample_and_temperature_as_transformers_reads_them(tiny_target, tokenizer, tiny_greedy):
+    sampled = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=8, temperature=0.7, seed=3).token_ids
+    assert sampled != tiny_greedy[:8]
+    sampling_model = with_generation_config(tiny_target, do_sample=True, temperature=0.7)
+    assert accelgen.generate(sampling_model, tokenizer, PROMPT, max_new_tokens=8, seed=3).token_ids == sampled
+    for greedy in (dict(temperature=0), dict(do_sample=False)):  # an argument wins over the model's config
+        assert accelgen.generate(sampling_model, tokenizer, PROMPT, max_new_tokens=8, **greedy).token_ids == tiny_greedy[:8]
+    assert accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=8, do_sample=True, temperature=0.7,
+                             seed=3).token_ids == sampled
+    # a temperature in a config without do_sample is greedy, as in transformers
+    from transformers import GenerationConfig
+
+    assert accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=8,
+                             generation_config=GenerationConfig(temperature=0.7)).token_ids == tiny_greedy[:8]
+    with pytest.raises(ValueError, match="do_sample=True needs temperature > 0"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, do_sample=True, temperature=0)
+
+
+@pytest.mark.parametrize("source", ["argument", "generation_config", "model.generation_config"])
+def test_settings_accelgen_cannot_honour_are_errors(tiny_target, tokenizer, source):
+    from transformers import GenerationConfig
+
+    model, arguments = tiny_target, {}
+    if source == "argument":
+        arguments = {"num_beams": 4}
+    elif source == "generation_config":
+        arguments = {"generation_config": GenerationConfig(num_beams=4)}
+    else:
+        model = with_generation_config(tiny_target, num_beams=4)
+    with pytest.raises(ValueError, match=f"cannot honour num_beams=4 \\(from {source}\\): beam search"):
+        accelgen.generate(model, tokenizer, PROMPT, max_new_tokens=2, **arguments)
+    # the neutral value passes, and so do settings that change nothing in the output
+    assert accelgen.generate(model, tokenizer, PROMPT, max_new_tokens=2, num_beams=1, use_cache=True).token_ids
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"num_return_sequences": 2}, "num_return_sequences=2.*own seed"),
+    ({"min_length": 9}, "min_length=9.*min_new_tokens"),
+    ({"typical_p": 0.9}, "typical_p=0.9.*temperature, top_k and top_p"),
+    ({"num_assistant_tokens": 3}, "num_assistant_tokens sets gamma, an option method 'autoregressive' does not have"),
+    ({"method": "layerskip", "num_assistant_tokens_schedule": "heuristic_transient"},
+     "num_assistant_tokens_schedule='heuristic_transient'"),
+    ({"method": "speculative", "max_matching_ngram_size": 2}, "sets max_ngram, an option method 'speculative'"),
+    ({"assistant_model": "draft", "prompt_lookup_num_tokens": 3}, "choose two methods"),
+    ({"stopping_criteria": ["x"]}, "use stop="),
+])
+def test_transformers_names_without_an_equivalent_name_what_to_use(tiny_target, tokenizer, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=2, **arguments)
+
+
+def test_transformers_names_are_aliases(tiny_target, tiny_draft, tokenizer, tiny_greedy):
+    assisted = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=12, assistant_model=tiny_target,
+                                 num_assistant_tokens=3)  # speculative with gamma 3: every draft accepted
+    assert assisted.token_ids == tiny_greedy[:12] and assisted.stats["accepted_per_step"] == [3, 3, 3]
+    heuristic = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=12, assistant_model=tiny_target,
+                                  num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic")
+    assert heuristic.token_ids == tiny_greedy[:12] and heuristic.stats["accepted_per_step"][:2] == [2, 4]
+    repeating = ROWS[2]  # prompt lookup finds its n-grams
+    lookup = accelgen.generate(tiny_target, tokenizer, repeating, max_new_tokens=12, prompt_lookup_num_tokens=4,
+                               max_matching_ngram_size=2)
+    pld = accelgen.generate(tiny_target, tokenizer, repeating, method="pld", max_new_tokens=12, draft_length=4,
+                            max_ngram=2)
+    assert lookup.token_ids == pld.token_ids == hf_greedy(tiny_target, repeating, 12)
+    assert lookup.stats["draft_tokens"] == pld.stats["draft_tokens"] > 0
+    eos = tiny_greedy[first_new_position(tiny_greedy, 2)]
+    ended = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=12, eos_token_id=eos)
+    assert ended.token_ids == tiny_greedy[: tiny_greedy.index(eos) + 1] and ended.finish_reason == "stop"
+    with pytest.raises(ValueError, match="'num_assistant_tokens' is transformers' name: use gamma"):
+        accelgen.get_method("speculative").check_options({"num_assistant_tokens": 3})  # e.g. CLI -o
+
+
+def test_stop_strings_is_stop(smollm):
+    model, tokenizer = smollm
+    plain = accelgen.generate(model, tokenizer, REAL_PROMPTS["prose"], max_new_tokens=20)
+    word = plain.text.split()[3]
+    result = accelgen.generate(model, tokenizer, REAL_PROMPTS["prose"], max_new_tokens=20, stop_strings=word)
+    assert result.finish_reason == "stop" and result.text == plain.text[: plain.text.index(word)]
+
+
+def test_repetition_penalty_from_the_model_config(tiny_target, tokenizer):
+    penalised = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=12, repetition_penalty=1.3)
+    model = with_generation_config(tiny_target, repetition_penalty=1.3)
+    assert accelgen.generate(model, tokenizer, PROMPT, max_new_tokens=12).token_ids == penalised.token_ids
+    assert accelgen.generate(model, tokenizer, PROMPT, max_new_tokens=12, repetition_penalty=1.0).token_ids == \
+        hf_greedy(tiny_target, PROMPT, 12)
+
+
+# --- transformers streamers --------------------------------------------------------------------------------
+
+
+class RecordingStreamer:
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_the_prompt_then_each_steps_tokens(tiny_target, tokenizer, tiny_greedy):
+    streamer = RecordingStreamer()
+    result = accelgen.generate(tiny_target, tokenizer, PROMPT, method="speculative", draft_model=tiny_target,
+                               gamma=3, max_new_tokens=10, streamer=streamer)
+    assert streamer.puts[0] == [PROMPT] and streamer.ended == 1
+    assert streamer.puts[1:] == [tiny_greedy[:4], tiny_greedy[4:8], tiny_greedy[8:10]] and result.token_ids == tiny_greedy[:10]
+
+
+def test_text_iterator_streamer_text_is_the_result(smollm):
+    from transformers import TextIteratorStreamer
+
+    model, tokenizer = smollm
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = accelgen.generate(model, tokenizer, REAL_PROMPTS["prose"], method="pld", max_new_tokens=24,
+                               streamer=streamer)
+    assert "".join(streamer) == result.text and len(result.text) > 20
+
+
+# --- several prompts: batched, each row as if alone -----------------------------------------------------------
+
+
+BATCH_METHODS = {
+    "autoregressive": {},
+    "speculative-self": {"method": "speculative", "gamma": 3, "draft": "target"},
+    "speculative-random": {"method": "speculative", "gamma": 3, "draft": "random"},
+    "pld": {"method": "pld"},
+}
+ROWS = [PROMPT, [7, 300, 12], [9, 9, 40, 41, 9, 9, 40, 41, 9, 9]]  # the last repeats itself: pld finds matches
+
+
+def method_arguments(name, target, random_draft):
+    arguments = dict(BATCH_METHODS[name])
+    draft = arguments.pop("draft", None)
+    if draft:
+        arguments["draft_model"] = target if draft == "target" else random_draft
+    return arguments
+
+
+@pytest.mark.parametrize("name", list(BATCH_METHODS))
+def test_each_prompt_of_a_list_decodes_as_if_alone(tiny_target, tiny_draft, tokenizer, name):
+    arguments = method_arguments(name, tiny_target, tiny_draft)
+    alone = [accelgen.generate(tiny_target, tokenizer, row, max_new_tokens=10, **arguments).token_ids for row in ROWS]
+    together = accelgen.generate(tiny_target, tokenizer, ROWS, max_new_tokens=10, **arguments)
+    assert [result.token_ids for result in together] == alone
+    assert alone[0] == hf_greedy(tiny_target, PROMPT, 10)
+
+
+def pad_rows(rows, pad, side):
+    width = max(map(len, rows))
+    padding = [[pad] * (width - len(row)) for row in rows]
+    ids = [p + row if side == "left" else row + p for row, p in zip(rows, padding)]
+    mask = [[0] * len(p) + [1] * len(row) if side == "left" else [1] * len(row) + [0] * len(p)
+            for row, p in zip(rows, padding)]
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", list(BATCH_METHODS))
+def test_padded_rows_with_their_mask_decode_as_if_alone(tiny_target, tiny_draft, tokenizer, name, side):
+    arguments = method_arguments(name, tiny_target, tiny_draft)
+    ids, mask = pad_rows(ROWS, 0, side)
+    together = accelgen.generate(tiny_target, tokenizer, ids, attention_mask=mask, max_new_tokens=8, **arguments)
+    assert [result.token_ids for result in together] == [
+        accelgen.generate(tiny_target, tokenizer, row, max_new_tokens=8, **arguments).token_ids for row in ROWS]
+
+
+def test_padding_told_by_pad_token_id_or_a_clear_error(tiny_target, tokenizer):
+    ids, _ = pad_rows(ROWS[:2], 0, "left")
+    alone = [accelgen.generate(tiny_target, tokenizer, row, max_new_tokens=4).token_ids for row in ROWS[:2]]
+    inferred = accelgen.generate(tiny_target, tokenizer, ids, pad_token_id=0, max_new_tokens=4)
+    assert [result.token_ids for result in inferred] == alone
+    eos_padded, _ = pad_rows(ROWS[:2], 2, "left")  # the tiny models' pad token is their EOS
+    with pytest.raises(ValueError, match="pad_token_id 2, which is also an EOS token.*pass attention_mask"):
+        accelgen.generate(tiny_target, tokenizer, eos_padded, max_new_tokens=4)
+    holes = torch.tensor([[5, 0, 17], [5, 17, 18]])
+    with pytest.raises(ValueError, match=r"row 0: its padding \(pad_token_id 0\) is neither left nor right"):
+        accelgen.generate(tiny_target, tokenizer, holes, pad_token_id=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"row 1: its padding \(attention_mask\)"):
+        accelgen.generate(tiny_target, tokenizer, holes, attention_mask=torch.tensor([[1, 1, 1], [1, 0, 1]]))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 2\), the prompt \(2, 3\)"):
+        accelgen.generate(tiny_target, tokenizer, holes, attention_mask=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="0 .padding. and 1 .token. only"):
+        accelgen.generate(tiny_target, tokenizer, holes, attention_mask=torch.full((2, 3), 2))
+    with pytest.raises(ValueError, match="take one prompt"):
+        accelgen.generate(tiny_target, tokenizer, ROWS, stream=True)
+
+
+def test_one_padded_row_with_its_mask_is_one_prompt(tiny_target, tokenizer, tiny_greedy):
+    ids, mask = pad_rows([PROMPT, PROMPT + [1, 1]], 0, "left")
+    result = accelgen.generate(tiny_target, tokenizer, ids[:1], attention_mask=mask[:1], max_new_tokens=4)
+    assert result.token_ids == tiny_greedy[:4]
+
+
+def test_batched_texts_and_chats(smollm):
+    model, tokenizer = smollm
+    prompts = [REAL_PROMPTS["prose"], REAL_PROMPTS["chat-code"]]
+    together = accelgen.generate(model, tokenizer, prompts, max_new_tokens=6)
+    assert [r.text for r in together] == [accelgen.generate(model, tokenizer, p, max_new_tokens=6).text for p in prompts]

@@ -26,3 +26,8 @@ def test_rouge_l_forgives_a_shift_that_token_agreement_does_not():
     assert rouge_l([1, 2, 3], [1, 2, 3]) == rouge_l([], []) == 1.0
     assert rouge_l([1, 2], [3]) == rouge_l([1], []) == 0.0
     assert rouge_l([1, 2, 3, 4], [1, 2]) == pytest.approx(2 * 0.5 / 1.5)  # precision 1, recall 1/2
+
+
+def test_rouge_l_compares_token_ids_not_their_digits():
+    assert rouge_l([12, 3], [1, 2, 3]) == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))  # only 3 is shared
+    assert rouge_l([7] * 40, [7] * 40 + [8] * 10) == pytest.approx(2 * 0.8 / 1.8)  # precision 40/50, recall 1

@@ -27,3 +27,41 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)
+
+
+# --- scores as transformers reports them, seeded per-position noise -------------------------------------------
+
+
+def test_sampling_scores_equal_transformers_warpers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from accelgen.sampling import sampling_scores
+
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0)) * 3
+    config = SamplingConfig(temperature=0.7, top_k=12, top_p=0.8)
+    expected = logits.clone()
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(12), TopPLogitsWarper(0.8)):
+        expected = warper(None, expected)
+    torch.testing.assert_close(sampling_scores(logits, config), expected)
+    assert torch.equal(sampling_scores(logits, SamplingConfig()), logits)  # greedy: the logits themselves
+
+
+def test_position_noise_depends_on_seed_and_position_only():
+    from accelgen.sampling import PositionNoise
+
+    noise = PositionNoise(seed=3, vocab_size=1000)
+    again = PositionNoise(seed=3, vocab_size=1000)
+    assert torch.equal(noise.at(7), again.at(7))
+    assert torch.equal(noise.rows([7, 2]), torch.stack([again.at(7), again.at(2)]))
+    assert not torch.equal(noise.at(7), noise.at(8))
+    assert not torch.equal(noise.at(7), PositionNoise(seed=4, vocab_size=1000).at(7))
+    assert torch.isfinite(noise.at(7)).all() and noise.at(7).dtype == torch.float32
+    assert abs(float(noise.at(7).mean()) - 0.5772) < 0.1  # the Gumbel(0, 1) mean is the Euler-Mascheroni constant
+
+
+def test_gumbel_choice_never_picks_an_excluded_token():
+    from accelgen.sampling import PositionNoise, gumbel_choice
+
+    probs = logits_to_probs(torch.randn(1, 50), SamplingConfig(temperature=1.0, top_k=3))
+    chosen = {int(gumbel_choice(probs, PositionNoise(seed, 50).rows([0]))[0]) for seed in range(200)}
+    assert chosen == set(probs[0].nonzero()[:, 0].tolist())

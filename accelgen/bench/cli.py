@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 from accelgen.bench.methods import VARIANT
@@ -115,7 +115,10 @@ def bench(
 ):
     """Benchmark methods against HF greedy decoding on a dataset: speed, τ, identical output; resumable."""
     from accelgen.bench import report, runner
+    from accelgen.cli import require_modules
     from accelgen.models import load_model
+
+    require_modules("rouge_score")  # scores every record (accelgen.quality), imported only then: check it first
 
     command = "accelgen " + shlex.join(sys.argv[1:])
     try:
@@ -165,22 +168,31 @@ def bench_report(folder: Path = typer.Argument(..., help="A results folder writt
 
 def print_summary(results: dict, out_dir: Path) -> None:
     from accelgen.bench.report import REPORT_FILE, weights_cell
+    from accelgen.cli import table_console
 
     overall = results["aggregates"].get("overall", {})
     greedy = results["config"]["temperature"] == 0
-    table = Table("method", "weights", "tokens/s", "speedup (total)", "speedup (geomean)", "vs autoregressive, same weights",
-                  "τ", "identical")
+    out = table_console()
+    table = Table(name_column("method", overall, out.width), "weights", "tokens/s", "speedup (total)",
+                  "speedup (geomean)", "vs autoregressive, same weights", "τ", "identical")
     for name, s in overall.items():
         table.add_row(name, weights_cell(s), fmt(s["tokens_per_second"]), fmt(s["speedup_total"], "×"),
                       fmt(s["speedup_geomean"], "×"), fmt(s.get("format_speedup_total"), "×"), fmt(s["tau"]),
                       f"{s['identical']}/{s['compared']}" if greedy else "n/a")
-    Console().print(table)
+    out.print(table)
     for warning in results["warnings"]:
         style = "yellow" if warning["severity"] == "near-tie" else "bold red"
         console.print(f"[{style}]{warning['method']} differs from {warning.get('reference', 'hf-greedy')} on {warning['mismatched']} of "
                       f"{warning['compared']} prompts ({len(warning['errors'])} errors, {len(warning['near_ties'])} "
                       f"near-ties, {len(warning['unaudited'])} not audited)[/{style}]")
     console.print(f"report: {Path(out_dir) / REPORT_FILE}")
+
+
+def name_column(header: str, names, console_width: int) -> Column:
+    """A column of method names (variants can be long: name@option=value+...) that never cuts one short: as wide
+    as the longest, up to a third of the console; a longer one folds onto more lines instead of ending in '…'."""
+    longest = max((len(name) for name in names), default=len(header))
+    return Column(header, overflow="fold", min_width=min(longest, console_width // 3))
 
 
 def fmt(value, suffix: str = "") -> str:

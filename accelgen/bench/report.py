@@ -30,7 +30,7 @@ def render(out_dir: Path) -> dict:
                             read_jsonl(out_dir / EXECUTIONS_FILE))
     write_json_atomically(out_dir / RESULTS_FILE, results)
     methods = results["config"]["methods"]
-    plots.speedup_plot(results["aggregates"], methods, out_dir / SPEEDUP_PLOT)
+    plots.speedup_plot(results["aggregates"], results["records"], methods, out_dir / SPEEDUP_PLOT)
     plots.tokens_plot(results["aggregates"].get(metrics.OVERALL, {}), out_dir / TOKENS_PLOT)
     drafting = [m for m in methods if results["methods"][m]["family"] != "baseline"]
     plots.tau_plot(results["records"], drafting, out_dir / TAU_PLOT)

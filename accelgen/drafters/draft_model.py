@@ -9,6 +9,10 @@ gamma_schedule: "constant"; "heuristic" (HF's: grow by 2 on full acceptance, shr
 target's verification cost r(k) and the draft's cost ratio c, measured once per machine (accelgen/costs.py),
 and the running acceptance α, c following what each step measures; γ = 0 (plain decoding) when no length
 pays. So γ fits this machine, these models and this text (`scheduled` wraps the drafter in the budget).
+
+The draft model's logits go through the request's logits processors (sampling.processors) with the context of
+each drafted position, as the target's do, and with a seed it draws each position with the target's Gumbel noise
+(sampling.noise): both only raise acceptance, verification is exact for any draft.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from accelgen.models.batch import forward_alone
 from accelgen.models.llamacpp import LlamaCppModel
 from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.registry import MethodSpec, register
-from accelgen.sampling import SamplingConfig, logits_to_probs, sample
+from accelgen.sampling import SamplingConfig, gumbel_choice, logits_to_probs, sample
 
 GAMMA_SCHEDULES = ("constant", "heuristic", "cost")
 # the options of DraftModelDrafter's drafting, for every method that drafts with it (speculative, distillspec, online)
@@ -71,9 +75,11 @@ class DraftModelDrafter:
             return Draft.empty()
         context_ids = context.tolist()
         logits = yield from catch_up_steps(self.runner, self.cached_tokens, context_ids)
-        self.cached_tokens = context_ids
+        self.cached_tokens = list(context_ids)  # a copy: it grows with the drafted tokens, context_ids must not
         tokens, probs = [], []
         for step in range(gamma):
+            if self.sampling.processors is not None:
+                logits = self.sampling.processors.row(torch.tensor(context_ids + tokens), logits)
             if self.sampling.greedy:
                 token = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0
@@ -81,7 +87,7 @@ class DraftModelDrafter:
                     probs.append(torch.softmax(logits, -1))
             else:
                 step_probs = logits_to_probs(logits, self.sampling)
-                token = sample(step_probs, self.generator)
+                token = self.draw(step_probs, position=len(context_ids) + step)
                 probs.append(step_probs)
                 confidence = float(step_probs[token])
             tokens.append(token)
@@ -94,6 +100,15 @@ class DraftModelDrafter:
                 self.cached_tokens.append(token)
         draft_probs = torch.stack(probs) if probs else None
         return Draft.chain(torch.tensor(tokens), draft_probs)
+
+    def draw(self, probs: torch.Tensor, position: int) -> int:
+        """A draft token for an absolute position from its (vocab,) sampling probabilities: with the seeded
+        per-position noise when there is one (the target's choice there whenever the two models agree), else a
+        sample from the generator."""
+        noise = self.sampling.noise
+        if noise is None:
+            return sample(probs, self.generator)
+        return int(gumbel_choice(probs[None], noise.at(position)[None])[0])
 
     def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
         if self.gamma_schedule == "heuristic":  # as HF assisted generation: grow on full acceptance, else shrink

@@ -40,7 +40,7 @@ import torch
 from accelgen.draft import ROOT, Draft
 from accelgen.drafters.draft_model import catch_up
 from accelgen.models.runner import ModelRunner
-from accelgen.sampling import SamplingConfig, logits_to_probs, sample
+from accelgen.sampling import SamplingConfig, gumbel_choice, logits_to_probs, sample
 
 
 class DraftModelScorer:
@@ -158,7 +158,8 @@ class DraftTreeDrafter:
             frontier = []
             for (node, count), node_logits in zip(plan, logits):
                 base = log_probs[node] if node != ROOT else 0.0
-                for rank, (token, row, log_prob) in enumerate(self._children(node_logits, count)):
+                children = self._children(node_logits, count, position=len(context) + level)
+                for rank, (token, row, log_prob) in enumerate(children):
                     paths[len(tokens)] = paths[node] + (rank,)
                     tokens.append(token)
                     parents.append(node)
@@ -186,18 +187,24 @@ class DraftTreeDrafter:
         best = sorted(frontier, key=lambda node: -log_probs[node])[: self.width]
         return [(node, self.width) for node in sorted(best)]
 
-    def _children(self, logits: torch.Tensor, count: int) -> list[tuple[int, torch.Tensor | None, float]]:
-        """[(token, the row it was drawn from or None, its draft log-probability)] for one node's children."""
+    def _children(self, logits: torch.Tensor, count: int, position: int) -> list[tuple[int, torch.Tensor | None, float]]:
+        """[(token, the row it was drawn from or None, its draft log-probability)] for one node's children, which
+        sit at absolute position `position`."""
         if self.sampling.greedy:
             log_q = torch.log_softmax(logits, dim=-1)
             best = torch.topk(log_q, min(count, len(log_q))).indices.tolist()
             return [(token, None, min(0.0, float(log_q[token]))) for token in best]  # rounding: never above the parent
         draft_probs = logits_to_probs(logits, self.sampling)  # (vocab,)
         drawn, left = [], draft_probs.clone()
-        for _ in range(count):
+        for child in range(count):
             if left.sum() <= 0:  # without replacement: the support (after top-k / top-p) is used up
                 break
-            token = sample(left / left.sum(), self.generator)
+            if child == 0 and self.sampling.noise is not None:
+                # seeded: the first child takes the position's Gumbel noise, as the target's choice there does
+                # (verify_gumbel), so it is accepted whenever the two models agree; the others are sampled
+                token = int(gumbel_choice(left[None], self.sampling.noise.at(position)[None])[0])
+            else:
+                token = sample(left / left.sum(), self.generator)
             drawn.append((token, draft_probs, float(torch.log(draft_probs[token]))))
             if not self.replacement:
                 left[token] = 0.0

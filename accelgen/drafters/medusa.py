@@ -27,7 +27,6 @@ import torch
 
 from accelgen.draft import depths
 from accelgen.drafters.draft_tree import DraftTreeDrafter
-from accelgen.models.layerwise import llama_decoder
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodSpec, register
 from accelgen.train.medusa import MedusaHeads
@@ -45,7 +44,6 @@ class MedusaScorer:
     max_positions = 1 << 30  # the heads add no context limit: the target's runner checks its own
 
     def __init__(self, target_model, heads: MedusaHeads):
-        llama_decoder(target_model, "drafting from the target's hidden states")  # the runner calls model.model
         self.heads = heads
         self.lm_head = heads.lm_head(target_model)
         self.guesses: torch.Tensor | None = None  # (K, vocab) every head's logits for this step

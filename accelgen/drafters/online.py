@@ -218,13 +218,14 @@ def stream_requests(target_model, draft_model, tokenizer, prompts: list[list[int
     for index, prompt in enumerate(prompts):
         updates = len(learner.updates)
         stats = generate(target_model, tokenizer, prompt, method="online", draft_model=draft_model,
-                         max_new_tokens=max_new_tokens, gamma=gamma, learner=learner, **learning).stats
+                         max_new_tokens=max_new_tokens, temperature=0.0, gamma=gamma, learner=learner,
+                         **learning).stats
         row = {"request": index + 1, "acceptance_rate": stats["acceptance_rate"],
                "mean_accepted_tokens": stats["mean_accepted_tokens"], "new_tokens": stats["new_tokens"],
                "seconds": stats["seconds"], "update": learner.updates[-1] if len(learner.updates) > updates else None}
         if baseline_draft is not None:
             baseline = generate(target_model, tokenizer, prompt, method="speculative", draft_model=baseline_draft,
-                                max_new_tokens=max_new_tokens, gamma=gamma).stats
+                                max_new_tokens=max_new_tokens, temperature=0.0, gamma=gamma).stats
             row["baseline_acceptance_rate"] = baseline["acceptance_rate"]
         rows.append(row)
         if progress is not None:

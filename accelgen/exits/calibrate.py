@@ -17,16 +17,13 @@ import math
 from statistics import fmean
 from typing import Callable
 
+from scipy.stats import binom
+
 from accelgen.atomic import write_json_atomically
 from accelgen.exits.calm import CALIBRATION_FILE
 from accelgen.generate import generate
 from accelgen.models.loading import beside_weights
 from accelgen.quality import token_agreement
-
-
-def binomial_cdf(k: int, n: int, p: float) -> float:
-    """P(Binomial(n, p) <= k)."""
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(0, min(k, n) + 1))
 
 
 def hoeffding_bentkus_p_value(risk: float, n: int, epsilon: float) -> float:
@@ -37,7 +34,7 @@ def hoeffding_bentkus_p_value(risk: float, n: int, epsilon: float) -> float:
     low = min(risk, epsilon)
     kl = (low * math.log(low / epsilon) if low > 0 else 0.0) + (1 - low) * math.log((1 - low) / (1 - epsilon))
     hoeffding = math.exp(-n * kl)
-    bentkus = math.e * binomial_cdf(math.ceil(n * risk), n, epsilon)
+    bentkus = math.e * float(binom.cdf(math.ceil(n * risk), n, epsilon))  # P(Bin(n, ε) ≤ ⌈n·risk⌉)
     return min(1.0, hoeffding, bentkus)
 
 
@@ -63,12 +60,12 @@ def calibrate_calm(model, tokenizer, prompts: list[list[int]], *, measure: str, 
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     thresholds = sorted(thresholds, reverse=True)
-    references = [generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens).token_ids for prompt in prompts]
+    references = [generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=0.0).token_ids for prompt in prompts]
 
     def risk_of(threshold: float) -> float:
         losses, layers = [], []
         for prompt, reference in zip(prompts, references):
-            result = generate(model, tokenizer, prompt, method="calm", max_new_tokens=max_new_tokens,
+            result = generate(model, tokenizer, prompt, method="calm", max_new_tokens=max_new_tokens, temperature=0.0,
                               measure=measure, threshold=threshold, exit_layers=exit_layers, heads=heads)
             losses.append(1.0 - token_agreement(reference, result.token_ids))
             layers.append(result.stats["mean_layers"])

@@ -31,9 +31,11 @@ def batched_forward(runners: list[ModelRunner], blocks: list[tuple[torch.Tensor,
     All runners wrap the same model. Returns each block's logits, (logits_for_last, vocab) float32, and
     leaves every runner's cache extended by its block, exactly as its own forward would.
     """
-    if len(runners) == 1 or any(type(runner) is not ModelRunner or runner.keep_hidden for runner in runners):
-        # a runner with a forward of its own (early exit), or one whose drafter reads its hidden states
-        # (Medusa), cannot share the model's batched forward
+    alone = (type(runner) is not ModelRunner or runner.keep_hidden or not runner.shares_batched_forward
+             for runner in runners)
+    if len(runners) == 1 or any(alone):
+        # a runner with a forward of its own (early exit), one whose drafter reads its hidden states (Medusa), or
+        # one whose masks a padded batch cannot express (a short sliding window, ALiBi) cannot share the forward
         return [runner.forward(*block) for runner, block in zip(runners, blocks)]
     model = runners[0].model
     lengths = [runner.length for runner in runners]
@@ -108,7 +110,8 @@ def forward_together(generators: list) -> list:
         for index, (runner, token_ids) in pending.items():
             # runners of other kinds (layer skipping) forward alone, and so does a block much wider than most
             # (a draft model catching up on a whole prompt), which would pad every other row to its width
-            together = type(runner) is ModelRunner and len(token_ids) <= shared_width
+            together = (type(runner) is ModelRunner and runner.shares_batched_forward
+                        and len(token_ids) <= shared_width)
             groups.setdefault(id(runner.model) if together else ("alone", index), []).append(index)
         for indices in groups.values():
             runners = [pending[i][0] for i in indices]

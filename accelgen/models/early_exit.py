@@ -2,7 +2,7 @@
 
 Early-exit methods (accelgen/exits/: CALM, EE-LLM, FREE, ConsistentEE, Hash EE, SkipDecode) change the
 target's own forward, not the draft: each step still feeds the root alone and commits the token its logits choose, but those logits may come
-from an intermediate layer, read through the model's final norm and LM head (`layerwise.exit_logits`).
+from an intermediate layer, read through the model's final norm and LM head (`layouts.Decoder.logits`).
 
 A rule decides per token (see `ExitRule`):
 - `first_layer(position)`: where the walk starts; SkipDecode skips *lower* layers late in a sequence, the token
@@ -35,7 +35,7 @@ from typing import Callable, Protocol
 import torch
 
 from accelgen import cache as kv
-from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
+from accelgen.models.layouts import Decoder
 from accelgen.models.runner import ModelRunner, additive_mask
 
 
@@ -68,7 +68,7 @@ class EarlyExitRunner(ModelRunner):
         super().__init__(model)
         if propagation not in PROPAGATIONS:
             raise ValueError(f"propagation must be one of {', '.join(PROPAGATIONS)}, not {propagation!r}")
-        self.decoder = llama_decoder(model, "early exit")
+        self.decoder = Decoder(model, "early exit")
         self.layer_count = len(self.decoder.layers)
         self.rule = rule
         self.propagation = propagation
@@ -96,7 +96,7 @@ class EarlyExitRunner(ModelRunner):
                 raise ValueError("early exit decodes one token at a time after the prompt")
             return super().forward(token_ids, tree, logits_for_last)
         token, position = int(token_ids[0]), self.length
-        hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])  # (1, 1, d)
+        hidden = self.decoder.embed(token_ids, torch.tensor([[position]], device=self.device))  # (1, 1, d)
         pending, self.pending = self.pending, None
         waiting = 0 if pending is None else pending.hidden.shape[1]
         alone = self._walk([position], hidden)
@@ -109,7 +109,7 @@ class EarlyExitRunner(ModelRunner):
             def logits() -> torch.Tensor:
                 if layer not in head:
                     adapted = state if self.heads is None else self.heads.adapt(layer, state)
-                    head[layer] = exit_logits(self.model, self.decoder, adapted)[0, 0]
+                    head[layer] = self.decoder.logits(adapted)[0, 0]
                 return head[layer]
             return logits
 
@@ -140,11 +140,11 @@ class EarlyExitRunner(ModelRunner):
                 for index in range(max(exit_layer, pending.layer) + 1, self.layer_count):
                     pending_hidden = finish(index, pending_hidden)
                 if self._learns:
-                    self.rule.observe(pending.layer, pending.logits, exit_logits(self.model, self.decoder, pending_hidden[0]))
+                    self.rule.observe(pending.layer, pending.logits, self.decoder.logits(pending_hidden[0]))
             if exited and self.propagation == "copy":  # CALM: upper layers' KV from the exited state
-                rotary = self._rotary([position], hidden)
+                walk = self._walk_inputs([position], hidden)
                 for layer in self.decoder.layers[exit_layer + 1 :]:
-                    attention_block(layer, hidden, mask=None, **rotary)
+                    self.decoder.attention_block(layer, hidden, mask=None, **walk)
             elif exited:
                 self.pending = Pending(exit_layer, hidden, logits[None])
         if not exited and self._learns:
@@ -160,14 +160,13 @@ class EarlyExitRunner(ModelRunner):
         `observe(layer, shallow (k, vocab), deep (k, vocab))` whenever tokens' deep layers complete."""
         return hasattr(self.rule, "observe")
 
-    def _rotary(self, positions: list[int], hidden: torch.Tensor) -> dict:
+    def _walk_inputs(self, positions: list[int], hidden: torch.Tensor) -> dict:
         position_ids = torch.tensor([positions], device=self.device)
-        return {"positions": position_ids, "cache": self.cache,
-                "position_embeddings": self.decoder.rotary_emb(hidden, position_ids)}
+        return {"cache": self.cache, **self.decoder.walk_inputs(hidden, position_ids)}
 
     def _walk(self, positions: list[int], hidden: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """layer index, hidden (1, k, d) -> that layer's output for k consecutive new positions."""
-        rotary = self._rotary(positions, hidden)
+        walk = self._walk_inputs(positions, hidden)
 
         def through(index: int, state: torch.Tensor) -> torch.Tensor:
             layer = self.decoder.layers[index]
@@ -177,7 +176,7 @@ class EarlyExitRunner(ModelRunner):
                 causal = torch.ones(len(positions), len(positions), dtype=torch.bool).tril()
                 mask = additive_mask(cached.keys.shape[-2] if cached.is_initialized else 0, causal, self.dtype,
                                      self.device)
-            return mlp_block(layer, attention_block(layer, state, mask=mask, **rotary))
+            return self.decoder.layer(layer, state, mask=mask, **walk)
 
         return through
 

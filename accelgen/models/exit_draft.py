@@ -10,7 +10,7 @@ layers there.
 its forwards run the first layers only, writing the lower layers' cache and keeping the hidden states at the
 exit (`exit_states`) until a verifying forward takes them. The lower layers' cache may therefore run ahead
 of the upper layers' by the tokens drafted; `keep` after verification evens them out again.
-Llama-style decoders only (see layerwise.py).
+Decoders whose layout is described (models/layouts.py).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from accelgen import cache as kv
-from accelgen.models.layerwise import exit_logits, llama_decoder, through_layers
+from accelgen.models.layouts import Decoder
 from accelgen.models.runner import ModelRunner, additive_mask
 
 
 class ExitDraftRunner(ModelRunner):
     def __init__(self, model, exit_layer: int):
         super().__init__(model)
-        self.decoder = llama_decoder(model, "layerskip")
+        self.decoder = Decoder(model, "layerskip")
         self.layer_count = len(self.decoder.layers)
         self.exit_layer = exit_layer
         # (1, n, d): hidden states after exit_layer of the n positions the lower layers hold beyond the upper ones
@@ -55,13 +55,14 @@ class ExitDraftRunner(ModelRunner):
         kv.crop(self.cache, start + drafted, layers=range(self.exit_layer + 1))
         states = self.exit_states[:, :drafted] if drafted else None
         if drafted < m:
-            fresh = self._through(range(self.exit_layer + 1), self._embed(token_ids[drafted:]), start + drafted)
+            fresh = self._through(range(self.exit_layer + 1), self._embed(token_ids[drafted:], start + drafted),
+                                  start + drafted)
             states = fresh if states is None else torch.cat([states, fresh], dim=1)
         hidden = self._through(range(self.exit_layer + 1, self.layer_count), states, start)
         self.exit_states = None
         if logits_for_last:
             hidden = hidden[:, -logits_for_last:]
-        return exit_logits(self.model, self.decoder, hidden)[0]
+        return self.decoder.logits(hidden)[0]
 
     def keep(self, prefix: int, rows: list[int]) -> None:
         super().keep(prefix, rows)
@@ -71,11 +72,11 @@ class ExitDraftRunner(ModelRunner):
         """The draft's forward: token_ids (m,) through the layers up to the exit, after the lower layers' cache;
         returns the exit's logits, (m or logits_for_last, vocab) float32."""
         start = self.lower_length
-        hidden = self._through(range(self.exit_layer + 1), self._embed(token_ids), start)
+        hidden = self._through(range(self.exit_layer + 1), self._embed(token_ids, start), start)
         self.exit_states = hidden if self.exit_states is None else torch.cat([self.exit_states, hidden], dim=1)
         if logits_for_last:
             hidden = hidden[:, -logits_for_last:]
-        return exit_logits(self.model, self.decoder, hidden)[0]
+        return self.decoder.logits(hidden)[0]
 
     def crop_draft(self, length: int) -> None:
         """Forget the lower layers' positions from `length` (at least the verified length) on, with their exit states."""
@@ -83,8 +84,9 @@ class ExitDraftRunner(ModelRunner):
         if self.exit_states is not None:
             self.exit_states = self.exit_states[:, : self.lower_length - self.length]
 
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(token_ids.to(self.device)[None])
+    def _embed(self, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """(1, m, d) input states of token_ids (m,) at positions start.."""
+        return self.decoder.embed(token_ids, torch.arange(start, start + token_ids.shape[0], device=self.device)[None])
 
     def _through(self, layers: range, hidden: torch.Tensor, start: int) -> torch.Tensor:
         """hidden (1, m, d) of positions start.. through `layers`, whose caches hold `start` positions each."""
@@ -92,7 +94,7 @@ class ExitDraftRunner(ModelRunner):
         positions = torch.arange(start, start + m, device=self.device)[None]
         causal = torch.ones(m, m, dtype=torch.bool).tril()
         mask = None if m == 1 else additive_mask(start, causal, self.dtype, self.device)
-        return through_layers(self.decoder, layers, hidden, positions=positions, mask=mask, cache=self.cache)
+        return self.decoder.through(layers, hidden, positions=positions, mask=mask, cache=self.cache)
 
 
 class ExitDraft:

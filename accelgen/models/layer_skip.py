@@ -4,21 +4,21 @@ Draft & Verify (Zhang et al. 2024, arXiv:2309.08168) drafts with the target itse
 attention and MLP sub-layers, and verifies with all of them. This runner calls the HF model's own modules
 in order (embeddings, each decoder layer's two residual sub-blocks, final norm, LM head), leaving out the
 skipped sub-blocks; no model code is copied. It has its own KV cache: a layer whose attention is skipped
-never writes to it, and its cache layer stays empty. Llama-style decoders only (see layerwise.py).
+never writes to it, and its cache layer stays empty. Decoders whose layout is described (models/layouts.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from accelgen.models.layerwise import attention_block, exit_logits, llama_decoder, mlp_block
+from accelgen.models.layouts import Decoder
 from accelgen.models.runner import ModelRunner, additive_mask
 
 
 class LayerSkipRunner(ModelRunner):
     def __init__(self, model, skip_attention: list[int], skip_mlp: list[int]):
         super().__init__(model)
-        self.decoder = llama_decoder(model, "layer skipping")
+        self.decoder = Decoder(model, "layer skipping")
         layers = self.decoder.layers
         self.skip_attention = check_layers("skip_attention", skip_attention, len(layers))
         self.skip_mlp = check_layers("skip_mlp", skip_mlp, len(layers))
@@ -33,17 +33,14 @@ class LayerSkipRunner(ModelRunner):
             tree = torch.ones(m, m, dtype=torch.bool).tril()
         positions = (start + tree.sum(dim=-1) - 1)[None].to(self.device)
         mask = additive_mask(start, tree, self.dtype, self.device)
-        hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])
-        position_embeddings = self.decoder.rotary_emb(hidden, positions)
+        hidden = self.decoder.embed(token_ids, positions)
+        walk = self.decoder.walk_inputs(hidden, positions)
         for index, layer in enumerate(self.decoder.layers):
-            if index not in self.skip_attention:
-                hidden = attention_block(layer, hidden, mask=mask, positions=positions, cache=self.cache,
-                                         position_embeddings=position_embeddings)
-            if index not in self.skip_mlp:
-                hidden = mlp_block(layer, hidden)
+            hidden = self.decoder.layer(layer, hidden, attend=index not in self.skip_attention,
+                                        feed=index not in self.skip_mlp, mask=mask, cache=self.cache, **walk)
         if logits_for_last:
             hidden = hidden[:, -logits_for_last:]
-        return exit_logits(self.model, self.decoder, hidden)[0]
+        return self.decoder.logits(hidden)[0]
 
 
 def check_layers(name: str, layers, count: int) -> frozenset[int]:

@@ -1,8 +1,9 @@
-"""A Llama-style decoder called one sub-block at a time, for runners that leave some of it out.
+"""A Llama-style decoder called one sub-block at a time, for code that leaves some of it out.
 
-Layer skipping (layer_skip.py, the self-speculative draft) and early exit (early_exit.py) walk the decoder
-themselves instead of calling `model.forward`; both call the HF model's own modules through these helpers,
-so no model code is copied.
+PPD (exits/ppd.py), Medusa's check and the trainers of exits and heads (train/) walk `model.model` themselves
+through these helpers, which call the HF model's own modules, so no model code is copied. The runners that skip
+sub-blocks or exit early (layer_skip.py, early_exit.py, exit_draft.py) reach other layouts too, through
+models/layouts.py, of which these helpers are the Llama case.
 
 Supported: decoder layers of the Llama family shape (`input_layernorm`, `self_attn`, `post_attention_layernorm`,
 `mlp`), as in Llama, Qwen2, Mistral and SmolLM2.
@@ -14,7 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from accelgen.cache import cache_keyword
+from accelgen.models import layouts
 
 SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -32,15 +33,13 @@ def llama_decoder(model, purpose: str):
 
 def attention_block(layer, hidden: torch.Tensor, *, mask, positions, cache, position_embeddings) -> torch.Tensor:
     """hidden (1, m, d) + the layer's self-attention of it; appends the m positions' keys and values to `cache`."""
-    attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=mask,
-                                  position_ids=positions, **{cache_keyword(layer.self_attn): cache},
-                                  position_embeddings=position_embeddings)
-    return hidden + attended
+    return layouts.attention_block(layouts.LLAMA, layer, hidden, mask=mask, positions=positions, cache=cache,
+                                   position_embeddings=position_embeddings)
 
 
 def mlp_block(layer, hidden: torch.Tensor) -> torch.Tensor:
     """hidden (1, m, d) + the layer's MLP of it."""
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return layouts.mlp_block(layouts.LLAMA, layer, hidden)
 
 
 def through_layers(decoder, layers, hidden: torch.Tensor, *, positions: torch.Tensor, mask, cache) -> torch.Tensor:

@@ -322,7 +322,7 @@ def load_llamacpp(name_or_path: str, threads: int | None = None) -> tuple[LlamaC
     The tokenizer is transformers' reading of the same file, saved in the cache after the first load."""
     from transformers import AutoTokenizer
 
-    from accelgen.models.loading import cache_dir, gguf_file
+    from accelgen.models.loading import cache_dir, gguf_file, require_gguf_extra
 
     path = gguf_file(name_or_path)
     model = LlamaCppModel(path, threads=threads or torch.get_num_threads())
@@ -330,6 +330,7 @@ def load_llamacpp(name_or_path: str, threads: int | None = None) -> tuple[LlamaC
     if (saved / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(saved)
     else:
+        require_gguf_extra()
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         partial = saved.with_name(saved.name + ".partial")
         tokenizer.save_pretrained(partial)

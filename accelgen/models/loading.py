@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -100,8 +101,17 @@ def prepare_gguf(path: Path) -> Path:
     return folder
 
 
+def require_gguf_extra() -> None:
+    """transformers reads GGUF files with `gguf` and `accelerate`, which only the gguf extra installs."""
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"reading GGUF files needs {module}: pip install 'accelgen[gguf]'", name=module)
+
+
 def _convert_gguf(gguf_path: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    require_gguf_extra()
 
     print(f"accelgen: dequantizing {gguf_path.name} once (this takes a minute); caching in {folder}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

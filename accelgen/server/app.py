@@ -3,13 +3,17 @@
 Requests choose a method with the extra body field `method` (default: the one the server was started
 with); method options are the operator's (`-o` on the command line), never the client's, so a request
 can name no file (a datastore, references) and no model to load. Errors use OpenAI's error shape.
+
+A request with n > 1 runs n sequences in the batch, choice i seeded with seed + i. Every sampling field
+(temperature, top_p, top_k, penalties, seed, response_format, tools) applies to the target and the drafts
+alike, so that speculation never changes the output (docs/server.md). accelgen's statistics of a reply are in
+its top-level field "accelgen"; `usage` is OpenAI's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import threading
 import time
@@ -18,10 +22,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+import jsonschema
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +34,9 @@ from accelgen.drafters.online import OnlineLearner
 from accelgen.generate import Chunk, GenerationResult, Sequence
 from accelgen.registry import get_method
 from accelgen.server.engine import Engine, Request
+from accelgen.server.metrics import CONTENT_TYPE, Metrics
+from accelgen.server.tools import (Tool, ToolChoice, call_constraint, chosen_tools, openai_tool_calls,
+                                   parse_tool_call, render_tool_prompt)
 
 
 @dataclass
@@ -57,6 +65,9 @@ class ServerConfig:
 # "stop here" is longer than a few lines: 1,000 characters is far beyond any real use, and bounds the work.
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1000
+MAX_N = 8  # choices per request: each is a sequence in the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's limits: 20 alternatives per token in chat, 5 in completions
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class APIError(Exception):
@@ -76,22 +87,23 @@ class _Body(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what a torch generator takes
-    n: int = 1
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63 - MAX_N)  # what a torch generator takes, + i
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
+    top_k: int = Field(default=0, ge=0)  # an extension (as vLLM's): 0 keeps every token
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    response_format: dict | None = None
     # OpenAI fields accepted at their neutral values only (clients often send them); anything else is refused
-    presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
     logit_bias: dict | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     method: str | None = None  # accelgen's extra field: the generation method
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # alternatives per token
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -105,14 +117,21 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)  # other OpenAI message fields (name, tool_call_id) are ignored
+    model_config = ConfigDict(strict=True)  # other OpenAI message fields (name, refusal) are ignored
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; an answer makes at most one call
 
 
 def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
@@ -143,6 +162,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.config = config
     app.state.admission = admission = Admission(config.max_concurrent)
+    app.state.metrics = metrics = Metrics(engine, config.model_name)
 
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):
@@ -162,14 +182,23 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.ready.is_set():  # still timing forwards for its speculation policy
-            return JSONResponse({"status": "starting"}, status_code=503)
+        if not engine.ready.is_set():  # e.g. still timing batched forwards for its speculation policy
+            return JSONResponse({"status": "starting", "detail": engine.starting}, status_code=503)
         return {"status": "ok"}
+
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "accelgen", "methods": sorted(methods)}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "accelgen",
-                                            "methods": sorted(methods)}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != config.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist here; this server serves {config.model_name!r}",
+                           param="model")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
@@ -178,25 +207,41 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        return await serve(body, prompt, http, chat=False)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (the prompt's tokens have no logprobs here)",
+                           param="echo")
+        return await serve(body, prompt, http, Shape(chat=False, logprobs=body.logprobs, echo=body.echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         if getattr(config.tokenizer, "chat_template", None) is None:
             raise APIError(400, f"{config.model_name} has no chat template: use /v1/completions")
-        messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
-        return await serve(body, messages, http, chat=True)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.tool_choice not in (None, "auto", "none") and not body.tools:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
+        if body.tools and response_constraint(body.response_format) is not None:
+            raise APIError(400, "give tools or a JSON response_format, not both", param="response_format")
+        messages = [chat_message(m) for m in body.messages]
+        tools = body.tools or []
+        try:
+            callable_tools = chosen_tools(tools, body.tool_choice)
+        except ValueError as error:
+            raise APIError(400, str(error), param="tool_choice") from None
+        shape = Shape(chat=True, logprobs=(body.top_logprobs or 0) if body.logprobs else None, described_tools=tools,
+                      tools=[] if body.tool_choice == "none" else callable_tools,
+                      forced_call=call_constraint(tools, body.tool_choice) if tools else None)
+        return await serve(body, messages, http, shape)
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus_text(engine, config.model_name), media_type="text/plain; version=0.0.4")
+    async def metrics_text():
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    async def serve(body: _Body, prompt, http: HTTPRequest, chat: bool):
+    async def serve(body: _Body, prompt, http: HTTPRequest, shape: Shape):
+        arrived = time.monotonic()  # for the latency histograms
         if body.model is not None and body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {config.model_name!r}",
                            param="model")
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
         for name, value in body:
             if name in UNSUPPORTED_UNLESS_NEUTRAL and value not in UNSUPPORTED_UNLESS_NEUTRAL[name]:
                 raise APIError(400, f"{name}={value!r} is not supported", param=name)
@@ -212,63 +257,174 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         stop = check_stop(body.stop)
         if prompt == "" or prompt == []:
             raise APIError(400, "empty prompt", param="prompt")
-        # a slot is taken here, before any work, atomically (checking the engine's load instead let a burst
-        # through while its requests were being prepared); the engine gives it back when it answers
-        if not admission.take():
+        options = sampling_options(body, shape, max_tokens, stop)
+        # slots are taken here, one per choice, before any work, atomically (checking the engine's load instead let
+        # a burst through while its requests were being prepared); the engine gives each back when it answers
+        if not admission.take(body.n):
             raise APIError(429, f"server busy: {config.max_concurrent} requests in flight, try again later",
                            "rate_limit_error")
         try:
-            request, events, reply = await submit(body, prompt, method, max_tokens, stop, chat)
-        except BaseException:  # refused before the engine had it
-            admission.give_back()
+            requests, events, reply = await submit(prompt, method, options, body.n, body.seed, shape, arrived)
+        except BaseException:  # refused before the engine had them
+            admission.give_back(body.n)
             raise
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream_events(request, events, reply, include_usage), media_type="text/event-stream")
-        return JSONResponse(await collect(request, events, reply, http))
+            return StreamingResponse(stream_events(requests, events, reply, include_usage), media_type="text/event-stream")
+        return JSONResponse(await collect(requests, events, reply, http))
 
-    async def submit(body: _Body, prompt, method: str, max_tokens: int, stop: list[str], chat: bool):
-        """Prepare the sequence and hand it to the engine: (request, its event queue, the reply shaper)."""
-        def start() -> Sequence:
+    async def submit(prompt, method: str, options: dict, n: int, seed: int | None, shape: Shape, arrived: float):
+        """Prepare the n sequences and hand them to the engine: (requests, their event queue, the reply shaper)."""
+        def start() -> tuple[list[Sequence], str]:
             with engine.lock:  # the tokenizer and shared drafter state are the engine's while it steps
-                sequence = Sequence.start(config.model, config.tokenizer, prompt, method=method,
-                                          draft_model=config.draft_model, max_new_tokens=max_tokens,
-                                          temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                          stop=stop, **methods[method])
-                if sequence.prompt_tokens > config.max_prompt_tokens:
-                    sequence.finish()
-                    raise APIError(400, f"prompt has {sequence.prompt_tokens} tokens, over this server's limit of "
-                                        f"{config.max_prompt_tokens}", param="prompt")
-                return sequence
+                ids = prompt
+                if shape.described_tools:  # (tools.py)
+                    text = render_tool_prompt(config.tokenizer, prompt, shape.described_tools)
+                    ids = config.tokenizer(text, add_special_tokens=False).input_ids
+                sequences = []
+                try:
+                    for i in range(n):
+                        sequences.append(Sequence.start(config.model, config.tokenizer, ids, method=method,
+                                                        draft_model=config.draft_model,
+                                                        seed=None if seed is None else seed + i,
+                                                        **options, **methods[method]))
+                        if sequences[-1].prompt_tokens > config.max_prompt_tokens:
+                            raise APIError(400, f"prompt has {sequences[-1].prompt_tokens} tokens, over this server's "
+                                                f"limit of {config.max_prompt_tokens}", param="prompt")
+                except BaseException:
+                    for sequence in sequences:
+                        sequence.finish()
+                    raise
+                echo = "" if not shape.echo else prompt if isinstance(prompt, str) else config.tokenizer.decode(prompt)
+                return sequences, echo
 
         try:
-            sequence = await asyncio.to_thread(start)
+            sequences, echo = await asyncio.to_thread(start)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
         except TemplateError as error:  # the chat template refused the conversation (e.g. the order of roles)
             raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        reply = Reply(config.model_name, method, shape, sequences[0].prompt_tokens, n, echo)
 
-        def emit(event) -> None:  # on the engine thread
-            if not isinstance(event, Chunk):  # the result or an error: the engine is done with the request
-                admission.give_back()
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        def emitter(index: int):
+            first_token = None
 
-        request = Request(sequence, emit, method)
+            def emit(event) -> None:  # on the engine thread, which holds engine.lock: the tokenizer is free
+                nonlocal first_token
+                if isinstance(event, Chunk) and event.token_ids and first_token is None:
+                    first_token = time.monotonic()
+                if isinstance(event, GenerationResult):
+                    metrics.observe_request(arrived, first_token, time.monotonic(), len(event.token_ids))
+                if not isinstance(event, Chunk):  # the result or an error: the engine is done with the sequence
+                    admission.give_back()
+                logprobs = logprob_entries(config.tokenizer, None if isinstance(event, Exception) else event.logprobs)
+                loop.call_soon_threadsafe(events.put_nowait, (index, event, logprobs))
+
+            return emit
+
+        requests = [Request(sequence, emitter(i), method) for i, sequence in enumerate(sequences)]
         try:
-            engine.submit(request)
+            engine.submit(*requests)
         except RuntimeError as error:
+            with engine.lock:
+                for sequence in sequences:
+                    sequence.finish()
             raise APIError(503, str(error), "server_error") from None
-        return request, events, Reply(config.model_name, method, chat, sequence.prompt_tokens)
+        return requests, events, reply
 
     return app
 
 
 UNSUPPORTED_UNLESS_NEUTRAL = {  # field -> the values that mean "not used"
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "echo": (False,), "best_of": (None, 1), "suffix": (None, ""),
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
 }
+LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token that could not be drawn (JSON has no -inf)
+
+
+@dataclass
+class Shape:
+    """How a request is asked and answered: chat or completion, logprobs (alternatives per token, None: off), the
+    prompt echoed before a completion, the tools (a call is returned as tool_calls)."""
+
+    chat: bool
+    logprobs: int | None = None
+    echo: bool = False
+    described_tools: list[Tool] = field(default_factory=list)  # in the prompt
+    tools: list[Tool] = field(default_factory=list)  # those an answer may call (tool_choice "none": none)
+    forced_call: dict | None = None  # the constraint of tool_choice "required" or a named tool (tools.py)
+
+
+def sampling_options(body: _Body, shape: Shape, max_tokens: int, stop: list[str]) -> dict:
+    """Sequence.start's arguments for this request; the extensions beyond plain sampling only where used."""
+    options = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                   stop=stop)
+    if body.presence_penalty:
+        options["presence_penalty"] = body.presence_penalty
+    if body.frequency_penalty:
+        options["frequency_penalty"] = body.frequency_penalty
+    if shape.logprobs is not None:
+        options["logprobs"] = shape.logprobs
+    constraint = shape.forced_call or response_constraint(body.response_format)
+    if constraint is not None:
+        options["response_format"] = constraint
+    return options
+
+
+def response_constraint(response_format: dict | None) -> dict | None:
+    """The checked response_format as Sequence.start takes it (OpenAI's form), or None for free text."""
+    kind = (response_format or {"type": "text"}).get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise APIError(400, f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                       param="response_format")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema", {}), dict):
+        raise APIError(400, "response_format json_schema needs \"json_schema\": {\"name\": ..., \"schema\": {...}}",
+                       param="response_format")
+    schema = spec.get("schema", {})
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        raise APIError(400, f"response_format: not a valid JSON schema: {error.message}", param="response_format") from None
+    return {"type": "json_schema", "json_schema": {"name": spec["name"], "schema": schema, "strict": spec.get("strict")}}
+
+
+def chat_message(message: ChatMessage) -> dict:
+    """A message as chat templates take it."""
+    text = message_text(message.content)
+    if message.tool_calls is not None:
+        return {"role": message.role, "content": text, "tool_calls": message.tool_calls}
+    if message.tool_call_id is not None:
+        return {"role": message.role, "content": text, "tool_call_id": message.tool_call_id}
+    return {"role": message.role, "content": text}
+
+
+def logprob_entries(tokenizer, logprobs: list | None) -> list[dict] | None:
+    """TokenLogprobs (generate.py) in OpenAI's chat form: {token, logprob, bytes, top_logprobs: [...]} per token."""
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": max(float(logprob), LOWEST_LOGPROB), "bytes": list(text.encode())}
+
+    return [entry(item.token_id, item.logprob) | {"top_logprobs": [entry(token, value) for token, value in item.top]}
+            for item in logprobs]
+
+
+def completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """Chat-form entries in the completions' (legacy) form; offset: the text's length before the first token."""
+    starts = [offset]
+    for entry in entries[:-1]:
+        starts.append(starts[-1] + len(entry["token"]))
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": starts}
 
 
 def check_stop(stop: str | list[str] | None) -> list[str]:
@@ -284,113 +440,195 @@ def check_stop(stop: str | list[str] | None) -> list[str]:
 
 
 class Admission:
-    """Slots for the requests in flight (being prepared, waiting or running): taken and given back under a lock,
+    """Slots for the sequences in flight (being prepared, waiting or running): taken and given back under a lock,
     on the event loop's thread and the engine's."""
 
     def __init__(self, limit: int):
         self.limit, self.taken = limit, 0
         self._lock = threading.Lock()
 
-    def take(self) -> bool:
+    def take(self, count: int = 1) -> bool:
+        """All count slots, or none."""
         with self._lock:
-            if self.taken >= self.limit:
+            if self.taken + count > self.limit:
                 return False
-            self.taken += 1
+            self.taken += count
             return True
 
-    def give_back(self) -> None:
+    def give_back(self, count: int = 1) -> None:
         with self._lock:
-            self.taken -= 1
+            self.taken -= count
 
 
 class Reply:
-    """Shapes engine events into OpenAI's completion / chat.completion objects and their stream chunks."""
+    """Shapes engine events into OpenAI's completion / chat.completion objects and their stream chunks, one choice
+    per sequence. Logprobs arrive as chat-form entries (logprob_entries)."""
 
-    def __init__(self, model_name: str, method: str, chat: bool, prompt_tokens: int):
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    def __init__(self, model_name: str, method: str, shape: Shape, prompt_tokens: int, n: int, echo: str = ""):
+        self.id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.model_name, self.method, self.chat, self.prompt_tokens = model_name, method, chat, prompt_tokens
+        self.model_name, self.method, self.shape, self.prompt_tokens, self.n = model_name, method, shape, prompt_tokens, n
+        self.echo = echo
+        self.offsets = [len(echo)] * n  # completions: each choice's text so far (the next token's text_offset)
 
-    def _envelope(self, object_name: str, choice: dict) -> dict:
+    @property
+    def chat(self) -> bool:
+        return self.shape.chat
+
+    @property
+    def buffered(self) -> bool:
+        """Whether a stream sends each answer whole at its end: with tools, whether it is a call shows only then."""
+        return self.chat and bool(self.shape.tools)
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_name,
-                "choices": [choice]}
+                "choices": choices}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
+    def _logprobs(self, index: int, entries: list[dict] | None, text: str) -> dict | None:
+        if entries is None:
+            return None
         if self.chat:
-            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-            return self._envelope("chat.completion.chunk", {"index": 0, "delta": delta, "finish_reason": finish_reason})
-        return self._envelope("text_completion", {"index": 0, "text": text, "finish_reason": finish_reason,
-                                                  "logprobs": None})
+            return {"content": entries, "refusal": None}
+        shaped = completion_logprobs(entries, self.offsets[index])
+        self.offsets[index] += len(text)
+        return shaped
 
-    def usage_chunk(self, result: GenerationResult) -> dict:
+    def opening_chunks(self) -> list[dict]:
+        """A stream's first chunks: chat announces the role of each choice; an echoed completion sends the prompt."""
+        if self.chat:
+            return [self._envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                              "logprobs": None, "finish_reason": None}])
+                    for i in range(self.n)]
+        return [self.chunk(i, self.echo) for i in range(self.n)] if self.echo else []
+
+    def chunk(self, index: int, text: str, entries: list[dict] | None = None) -> dict:
+        logprobs = self._logprobs(index, entries, text)
+        if self.chat:
+            return self._envelope("chat.completion.chunk", [{"index": index, "delta": {"content": text},
+                                                             "logprobs": logprobs, "finish_reason": None}])
+        return self._envelope("text_completion", [{"index": index, "text": text, "finish_reason": None,
+                                                   "logprobs": logprobs}])
+
+    def finish_chunk(self, index: int, result: GenerationResult, entries: list[dict] | None) -> dict:
+        """The chunk that ends a choice; a buffered answer (tools) comes whole in it."""
+        if not self.buffered:
+            finish_reason = openai_finish_reason(result.finish_reason)
+            if self.chat:
+                return self._envelope("chat.completion.chunk", [{"index": index, "delta": {}, "logprobs": None,
+                                                                 "finish_reason": finish_reason}])
+            return self._envelope("text_completion", [{"index": index, "text": "", "logprobs": None,
+                                                       "finish_reason": finish_reason}])
+        message, finish_reason = self.message(result)
+        delta = {"content": message["content"]} if message["content"] is not None else \
+            {"tool_calls": [call | {"index": i} for i, call in enumerate(message["tool_calls"])]}
+        return self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                                                         "logprobs": self._logprobs(index, entries, "")}])
+
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
         """The last stream chunk when the client asked for usage (stream_options.include_usage)."""
-        return self.chunk("") | {"choices": [], "usage": self.usage(result)}
+        object_name = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(object_name, []) | {"usage": self.usage(results), "accelgen": self.statistics(results)}
 
-    def final(self, result: GenerationResult) -> dict:
-        finish_reason = openai_finish_reason(result.finish_reason)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish_reason, "logprobs": None}
-        return self._envelope("chat.completion" if self.chat else "text_completion", choice) | {"usage": self.usage(result)}
+    def message(self, result: GenerationResult) -> tuple[dict, str]:
+        """A chat answer and its finish reason: a call of one of the tools (tool_calls), or text."""
+        call = parse_tool_call(result.text, self.shape.tools) if self.shape.tools else None
+        if call is not None:
+            return {"role": "assistant", "content": None, "tool_calls": openai_tool_calls(call)}, "tool_calls"
+        return {"role": "assistant", "content": result.text}, openai_finish_reason(result.finish_reason)
 
-    def usage(self, result: GenerationResult) -> dict:
-        stats = result.stats
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(result.token_ids),
-                "total_tokens": self.prompt_tokens + len(result.token_ids),
-                # accelgen's additions: what speculation did for this request
-                "method": self.method, "target_forwards": stats["target_forwards"],
-                "draft_tokens": stats["draft_tokens"], "accepted_draft_tokens": stats["accepted_draft_tokens"],
-                "mean_accepted_tokens": round(stats["mean_accepted_tokens"], 4),
-                "acceptance_rate": round(stats["acceptance_rate"], 4)}
+    def final(self, results: list[GenerationResult], entries: list[list[dict] | None]) -> dict:
+        choices = []
+        for index, (result, logprobs) in enumerate(zip(results, entries)):
+            if self.chat:
+                message, finish_reason = self.message(result)
+                choices.append({"index": index, "message": message, "finish_reason": finish_reason,
+                                "logprobs": self._logprobs(index, logprobs, result.text)})
+            else:
+                choices.append({"index": index, "text": self.echo + result.text,
+                                "finish_reason": openai_finish_reason(result.finish_reason),
+                                "logprobs": self._logprobs(index, logprobs, result.text)})
+        envelope = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        return envelope | {"usage": self.usage(results), "accelgen": self.statistics(results)}
+
+    def usage(self, results: list[GenerationResult]) -> dict:
+        """OpenAI's usage (the prompt counted once, as OpenAI does for n > 1); the draft tokens the target accepted
+        and rejected fill completion_tokens_details' accepted and rejected prediction tokens."""
+        completion = sum(len(result.token_ids) for result in results)
+        drafted = sum(result.stats["draft_tokens"] for result in results)
+        accepted = sum(result.stats["accepted_draft_tokens"] for result in results)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}}
+
+    def statistics(self, results: list[GenerationResult]) -> dict:
+        """The extension field "accelgen": what speculation did for this request (over all its choices)."""
+        tokens = sum(len(result.token_ids) for result in results)
+        forwards = sum(result.stats["target_forwards"] for result in results)
+        drafted = sum(result.stats["draft_tokens"] for result in results)
+        accepted = sum(result.stats["accepted_draft_tokens"] for result in results)
+        return {"method": self.method, "target_forwards": forwards, "draft_tokens": drafted,
+                "accepted_draft_tokens": accepted,
+                "mean_accepted_tokens": round(tokens / forwards, 4) if forwards else 0.0,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0}
 
 
 def openai_finish_reason(reason: str) -> str:
     return {"stop": "stop", "length": "length"}.get(reason, "abort")
 
 
-async def collect(request: Request, events: asyncio.Queue, reply: Reply, http: HTTPRequest) -> dict:
-    """Wait for the result, cancelling the sequence if the client goes away meanwhile."""
+def cancel_all(requests: list[Request]) -> None:
+    for request in requests:
+        request.cancel()  # no-op once finished; frees the sequence when the client left early
+
+
+async def collect(requests: list[Request], events: asyncio.Queue, reply: Reply, http: HTTPRequest) -> dict:
+    """Wait for every choice's result, cancelling the sequences if the client goes away meanwhile."""
+    results, entries = [None] * len(requests), [None] * len(requests)
     try:
-        while True:
+        while any(result is None for result in results):
             try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
+                index, event, logprobs = await asyncio.wait_for(events.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
-                    request.cancel()
+                    cancel_all(requests)
                     raise APIError(499, "client disconnected") from None
                 continue
             if isinstance(event, Exception):
+                cancel_all(requests)
                 raise APIError(500, f"generation failed: {event}", "server_error")
             if isinstance(event, GenerationResult):
-                return reply.final(event)
+                results[index], entries[index] = event, logprobs
+        return reply.final(results, entries)
     except asyncio.CancelledError:
-        request.cancel()
+        cancel_all(requests)
         raise
 
 
-async def stream_events(request: Request, events: asyncio.Queue, reply: Reply, include_usage: bool):
-    """Server-sent events: a chunk per committed text, the finish reason, optionally usage, then [DONE].
-    A client that disconnects cancels the generator, which cancels the sequence."""
+async def stream_events(requests: list[Request], events: asyncio.Queue, reply: Reply, include_usage: bool):
+    """Server-sent events: a chunk per committed text of each choice, each choice's finish, optionally usage, then
+    [DONE]. A client that disconnects cancels the generator, which cancels the sequences."""
     try:
-        if reply.chat:
-            yield sse(reply.chunk("", first=True))
-        while True:
-            event = await events.get()
+        for payload in reply.opening_chunks():
+            yield sse(payload)
+        results: dict[int, GenerationResult] = {}
+        failed = False
+        while len(results) < len(requests) and not failed:
+            index, event, logprobs = await events.get()
             if isinstance(event, Exception):
                 yield sse({"error": {"message": f"generation failed: {event}", "type": "server_error"}})
-                break
-            if isinstance(event, Chunk):
-                if event.text:
-                    yield sse(reply.chunk(event.text))
-                continue
-            yield sse(reply.chunk("", openai_finish_reason(event.finish_reason)))
-            if include_usage:
-                yield sse(reply.usage_chunk(event))
-            break
+                failed = True
+            elif isinstance(event, Chunk):
+                if not reply.buffered and (event.text or logprobs):
+                    yield sse(reply.chunk(index, event.text, logprobs))
+            else:
+                results[index] = event
+                yield sse(reply.finish_chunk(index, event, logprobs))
+        if include_usage and not failed:
+            yield sse(reply.usage_chunk([results[i] for i in range(len(requests))]))
         yield "data: [DONE]\n\n"
     finally:
-        request.cancel()  # no-op once finished; frees the sequence when the client left early
+        cancel_all(requests)
 
 
 def sse(payload: dict) -> str:
@@ -483,55 +721,6 @@ def replay(body: bytes, receive):
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
-
-
-def resident_bytes() -> int | None:
-    """The process's resident memory now (Linux /proc), or None where that is not available."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def prometheus_text(engine: Engine, model_name: str) -> str:
-    """The engine's counters in Prometheus' text exposition format."""
-    s = engine.stats
-    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # the text format's escapes
-    label = f'{{model="{escaped}"}}'
-    metrics = [
-        ("accelgen_requests_total", "counter", "Requests received.", s.requests),
-        ("accelgen_requests_finished_total", "counter", "Requests that finished.", s.finished),
-        ("accelgen_requests_aborted_total", "counter", "Requests cancelled (client gone or shutdown).", s.aborted),
-        ("accelgen_requests_failed_total", "counter", "Requests that failed with an error.", s.failed),
-        ("accelgen_generated_tokens_total", "counter", "Tokens generated.", s.new_tokens),
-        ("accelgen_draft_tokens_total", "counter", "Draft tokens proposed.", s.draft_tokens),
-        ("accelgen_accepted_draft_tokens_total", "counter", "Draft tokens accepted.", s.accepted_tokens),
-        ("accelgen_engine_steps_total", "counter",
-         "Engine steps: a batched forward of the decoding sequences, plus one per prompt chunk.", s.forwards),
-        ("accelgen_sequence_steps_total", "counter", "Sequence-steps that verified a draft (tau = tokens / these).",
-         s.verify_steps),
-        ("accelgen_step_seconds_total", "counter", "Seconds spent in engine steps.", round(s.step_seconds, 6)),
-        ("accelgen_draft_cap_total", "counter", "Draft caps summed over batched forwards (uncapped steps count 0).",
-         s.draft_cap_total),
-        ("accelgen_tokens_per_verify_step", "gauge", "Mean tokens committed per sequence-step (tau).",
-         round(s.new_tokens / s.verify_steps, 4) if s.verify_steps else 0.0),
-        ("accelgen_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
-         round(s.accepted_tokens / s.draft_tokens, 4) if s.draft_tokens else 0.0),
-        ("accelgen_queue_length", "gauge", "Requests waiting for a batch slot.", s.queue_length),
-        ("accelgen_batch_size", "gauge", "Sequences in the last batched forward.", s.batch_size),
-        ("accelgen_draft_cap", "gauge", "Most draft tokens per sequence in the last step (-1: no cap).",
-         -1 if s.draft_cap is None else s.draft_cap),
-        ("accelgen_step_seconds_mean", "gauge", "Mean seconds per engine step.",
-         round(s.step_seconds / s.forwards, 6) if s.forwards else 0.0),
-    ]
-    resident = resident_bytes()
-    if resident is not None:
-        metrics.append(("accelgen_process_resident_bytes", "gauge", "Resident memory of the server process.", resident))
-    lines = []
-    for name, kind, help_text, value in metrics:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
-    return "\n".join(lines) + "\n"
 
 
 def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

@@ -67,7 +67,7 @@ def serve(
     from accelgen.cli import load_with_progress
     from accelgen.server.app import ServerConfig, create_app, run
     from accelgen.server.engine import Engine
-    from accelgen.server.speculation import Goodput, TokenBudget, calibrate
+    from accelgen.server.speculation import Goodput, TokenBudget, policy_calibration
 
     if threads:
         torch.set_num_threads(threads)
@@ -86,14 +86,8 @@ def serve(
         if token_budget is not None:
             speculation = TokenBudget(token_budget)
         else:
-            def calibration():  # runs on the engine's thread as it starts
-                console.print("timing batched forwards for the speculation policy …")
-                target_costs = calibrate(target_model, max_batch, widths=sorted({1, 2, 3, 5, max_draft + 1}))
-                draft_costs = calibrate(draft_model, max_batch, widths=(1, 2)) if draft_model is not None else None
-                console.print("speculation policy ready")
-                return target_costs, draft_costs
-
-            speculation = Goodput(max_draft=max_draft, calibration=calibration)
+            calibration = policy_calibration(target_model, draft_model, max_batch, max_draft)
+            speculation = Goodput(max_draft=max_draft, calibration=calibration)  # runs on the engine's thread
         engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, speculation=speculation)
         server_app = create_app(config, engine)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
@@ -128,13 +122,17 @@ def loadtest(
     method_list = [name.strip() for name in methods.split(",") if name.strip()]
     if clients < 1 or duration <= 0 or rounds < 1 or not method_list:
         raise typer.BadParameter("--clients and --rounds must be >= 1, --duration > 0, --methods not empty")
-    prompts = [prompt.text for prompt in load_dataset(dataset, limit=limit)]
+    try:
+        prompts = [prompt.text for prompt in load_dataset(dataset, limit=limit)]
+    except (ValueError, FileNotFoundError) as error:
+        raise typer.BadParameter(str(error), param_hint="--dataset") from None
     config = {"clients": clients, "duration": duration, "rounds": rounds, "methods": method_list, "dataset": dataset,
               "max_tokens": max_tokens}
 
     def show(round_index, method, sample, outcomes):
         errors = sum(o.error is not None for o in outcomes)
-        tokens = sample["after"].get("accelgen_generated_tokens_total", 0) - sample["before"].get("accelgen_generated_tokens_total", 0)
+        counter = "accelgen:generation_tokens_total"
+        tokens = sample["after"].get(counter, 0) - sample["before"].get(counter, 0)
         console.print(f"round {round_index + 1}/{rounds} {method}: {len(outcomes)} requests, {errors} errors, "
                       f"{tokens / sample['seconds']:.1f} tokens/s")
 

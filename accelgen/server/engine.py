@@ -51,6 +51,7 @@ class EngineStats:
     """Counters for /metrics."""
 
     requests: int = 0
+    prompt_tokens: int = 0  # of the requests received
     finished: int = 0
     aborted: int = 0
     failed: int = 0
@@ -61,6 +62,7 @@ class EngineStats:
     forwards: int = 0  # batched target forwards
     step_seconds: float = 0.0
     batch_size: int = 0
+    running: int = 0  # requests in the batch
     queue_length: int = 0
     draft_cap: int | None = None  # the last step's cap on drafts (None: uncapped)
     draft_cap_total: int = 0  # caps summed over steps, for the mean
@@ -100,15 +102,19 @@ class Engine:
         self.lock = threading.Lock()
         self._trimmed_at = 0.0
         self.ready = threading.Event()  # set once the engine thread has prepared its speculation policy
+        self.starting = "the engine thread has not started"  # what it is doing until ready (for /health)
 
     # --- called from any thread ---
 
-    def submit(self, request: Request) -> None:
+    def submit(self, *requests: Request) -> None:
+        """Queue the requests, all or none (the choices of one API request, n > 1, join together)."""
         with self._wake:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
-            self._waiting.append(request)
-            self.stats.requests += 1
+            for request in requests:
+                self._waiting.append(request)
+                self.stats.requests += 1
+                self.stats.prompt_tokens += request.sequence.prompt_tokens
             self._wake.notify()
 
     @property
@@ -137,8 +143,13 @@ class Engine:
 
     # --- the engine thread ---
 
+    def _report_start(self, doing: str) -> None:
+        self.starting = doing
+
     def _loop(self) -> None:
-        self.speculation.prepare()  # model work of the engine belongs on this thread (see Goodput.prepare)
+        self.starting = "preparing the speculation policy"
+        self.speculation.prepare(self._report_start)  # model work of the engine belongs on this thread (Goodput.prepare)
+        self.starting = ""
         self.ready.set()
         while True:
             with self._wake:
@@ -194,12 +205,13 @@ class Engine:
             while self._waiting and len(self._running) < self.max_batch:
                 self._running.append(self._waiting.popleft())
             self.stats.queue_length = len(self._waiting)
+            self.stats.running = len(self._running)
         for request in [r for r in self._running if r.cancelled.is_set() or r.sequence.done]:
-            self._leave(request)  # cancelled, or nothing to generate (max_tokens 0)
-            if request.sequence.done:
+            if request.sequence.done:  # nothing to generate (max_tokens 0)
                 self.stats.finished += 1
-            else:
+            else:  # cancelled
                 self.stats.aborted += 1
+            self._leave(request)
         # prompt tokens share a budget of prefill_chunk per step, taken in arrival order; decodes always run
         active, prefill_limits, budget = [], {}, self.prefill_chunk
         for request in self._running:
@@ -248,12 +260,13 @@ class Engine:
         if chunk.token_ids or chunk.text:
             request.emit(chunk)
         if request.sequence.done:
+            self.stats.finished += 1  # before the answer goes out: a client reading /metrics next sees it counted
             self._leave(request)
-            self.stats.finished += 1
 
     def _leave(self, request: Request, error: Exception | None = None) -> None:
         """Take a request out of the batch, free its state and send its result (or error)."""
         self._running.remove(request)
+        self.stats.running = len(self._running)
         self.speculation.left(request)
         if _MALLOC_TRIM is not None and time.monotonic() - self._trimmed_at > TRIM_EVERY_SECONDS:
             self._trimmed_at = time.monotonic()

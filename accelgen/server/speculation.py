@@ -37,6 +37,7 @@ from accelgen.theory import AcceptanceEstimate, expected_tokens_per_forward
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)
 CALIBRATION_WIDTHS = (1, 2, 3, 5)
+Report = Callable[[str], None]  # told what the start-up is doing, in words (for /health)
 
 
 class ForwardCosts:
@@ -63,14 +64,43 @@ class ForwardCosts:
         widths[width] = seconds if known is None else self.DECAY * known + (1 - self.DECAY) * seconds
 
 
-def calibrate(model, max_batch: int, widths=CALIBRATION_WIDTHS, timer: Timer | None = None) -> ForwardCosts:
-    """Batched forwards (blocks of each width after costs.CONTEXT_TOKENS cached) for batch sizes 1, 2, 4, … up to
-    max_batch, and max_batch itself: timed once per model, weight format and machine, then read from the cache
-    (accelgen/costs.py). Batch size 1 also gets the sizes the requests' own budgets read r(k) from."""
-    batches = sorted({size for size in CALIBRATION_BATCHES if size <= max_batch} | {max_batch})
-    return ForwardCosts({batch: forward_seconds(model, batch, sorted(set(widths) | set(SIZES if batch == 1 else ())),
-                                                timer=timer)
-                         for batch in batches})
+def calibration_batches(max_batch: int) -> list[int]:
+    """The batch sizes calibrated: 1, 2, 4, … up to max_batch, and max_batch itself."""
+    return sorted({size for size in CALIBRATION_BATCHES if size <= max_batch} | {max_batch})
+
+
+def calibrate(model, max_batch: int, widths=CALIBRATION_WIDTHS, timer: Timer | None = None,
+              progress: Callable[[int], None] = lambda batch: None) -> ForwardCosts:
+    """Batched forwards (blocks of each width after costs.CONTEXT_TOKENS cached) for the calibration_batches:
+    timed once per model, weight format, machine and thread count, then read from the cache (accelgen/costs.py),
+    so a restart is ready at once. Batch size 1 also gets the sizes the requests' own budgets read r(k) from.
+    progress(batch) is called before each batch size."""
+    seconds = {}
+    for batch in calibration_batches(max_batch):
+        progress(batch)
+        seconds[batch] = forward_seconds(model, batch, sorted(set(widths) | set(SIZES if batch == 1 else ())),
+                                         timer=timer)
+    return ForwardCosts(seconds)
+
+
+def policy_calibration(target_model, draft_model, max_batch: int, max_draft: int, timer: Timer | None = None):
+    """The calibration a Goodput policy runs in `prepare`: report -> (target costs, draft costs or None), reporting
+    "timing batched forwards: i/n" (cached batch sizes pass at once)."""
+    def calibration(report: Report):
+        models = [target_model] + [draft_model] * (draft_model is not None)
+        total = len(calibration_batches(max_batch)) * len(models)
+        done = 0
+
+        def progress(_batch: int) -> None:
+            nonlocal done
+            done += 1
+            report(f"timing batched forwards: {done}/{total}")
+
+        target = calibrate(target_model, max_batch, sorted({1, 2, 3, 5, max_draft + 1}), timer, progress)
+        draft = calibrate(draft_model, max_batch, (1, 2), timer, progress) if draft_model is not None else None
+        return target, draft
+
+    return calibration
 
 
 def best_draft_length(alphas: list[float], drafting_with_model: int, target: Callable[[int, int], float],
@@ -100,7 +130,7 @@ class TokenBudget:
     def draft_length(self, decoding: list) -> int | None:
         return max(0, self.budget // max(len(decoding), 1) - 1) if self.budget else None
 
-    def prepare(self) -> None:
+    def prepare(self, report: Report = lambda doing: None) -> None:
         pass
 
     def measured(self, **_measurements) -> None:
@@ -117,8 +147,9 @@ class Goodput:
     """The draft length with the most expected tokens per second, from measured costs and acceptance (above)."""
 
     def __init__(self, target: ForwardCosts | None = None, draft: ForwardCosts | None = None, max_draft: int = 8,
-                 calibration: Callable[[], tuple[ForwardCosts, ForwardCosts | None]] | None = None):
-        """target, draft: the costs; or calibration, which measures them (target, draft) in `prepare`."""
+                 calibration: Callable[[Report], tuple[ForwardCosts, ForwardCosts | None]] | None = None):
+        """target, draft: the costs; or calibration(report), which measures them (target, draft) in `prepare`,
+        reporting its progress in words (see policy_calibration)."""
         if max_draft < 0:
             raise ValueError(f"max_draft must be >= 0, got {max_draft}")
         if target is None and calibration is None:
@@ -132,12 +163,12 @@ class Goodput:
         self._idle_steps = 0
         self._lengths = (0, 0)  # the draft lengths of the step before and of this one
 
-    def prepare(self) -> None:
-        """Measure the costs, on the engine's thread before its first step: PyTorch's CPU worker threads belong to
-        the thread that runs a forward, and a server whose model first ran on another thread (the main one,
-        say) decodes about half as fast (measured: 24 against 50 tokens/s on SmolLM2)."""
+    def prepare(self, report: Report = lambda doing: None) -> None:
+        """Measure the costs (telling report what it does), on the engine's thread before its first step: PyTorch's
+        CPU worker threads belong to the thread that runs a forward, and a server whose model first ran on another
+        thread (the main one, say) decodes about half as fast (measured: 24 against 50 tokens/s on SmolLM2)."""
         if self.calibration is not None:
-            self.target, self.draft = self.calibration()
+            self.target, self.draft = self.calibration(report)
             self.calibration = None
 
     def acceptance(self, request) -> AcceptanceEstimate:

@@ -213,7 +213,7 @@ def acceptance(target_model, draft_model, tokenizer, prompts: list[list[int]], *
     drafted = accepted = new_tokens = forwards = 0
     for prompt in prompts:
         stats = generate(target_model, tokenizer, prompt, method="speculative", draft_model=draft_model,
-                         max_new_tokens=max_new_tokens, gamma=gamma).stats
+                         max_new_tokens=max_new_tokens, temperature=0.0, gamma=gamma).stats
         drafted += stats["draft_tokens"]
         accepted += stats["accepted_draft_tokens"]
         new_tokens += stats["new_tokens"]

@@ -2,6 +2,7 @@
 
 from accelgen.verify.block import verify_block
 from accelgen.verify.greedy import verify_greedy
+from accelgen.verify.gumbel import verify_gumbel
 from accelgen.verify.multi_candidate import verify_without_replacement
 from accelgen.verify.sampling import verify_speculative_sampling
 from accelgen.verify.bild import verify_bild
@@ -12,4 +13,4 @@ from accelgen.verify.typical import check_typical_options, verify_typical
 
 __all__ = ["verify_block", "verify_greedy", "verify_speculative_sampling", "verify_without_replacement"]
 __all__ += ["check_contrastive_options", "check_specdec_options", "verify_bild", "verify_contrastive", "verify_specdec", "verify_spectr"]
-__all__ += ["check_typical_options", "verify_typical"]
+__all__ += ["check_typical_options", "verify_typical", "verify_gumbel"]

@@ -13,7 +13,12 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
     target_logits: (n+1, vocab); row 0 predicts the root's children, row i+1 the children of node i.
     Exact: the committed tokens are those plain greedy decoding would produce.
     """
-    target_choice = target_logits.argmax(dim=-1).tolist()  # (n+1,)
+    return follow_choices(draft, target_logits.argmax(dim=-1).tolist())
+
+
+def follow_choices(draft: Draft, target_choice: list[int]) -> Verdict:
+    """Walk down the draft while a child holds the target's choice at its parent's row (n+1 choices, row 0 at
+    the root): the accepted path, and the target's choice after it."""
     tokens = draft.tokens.tolist()
     kids = children(draft.parents)
     node, accepted = ROOT, []

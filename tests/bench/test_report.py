@@ -99,3 +99,27 @@ def test_a_run_from_before_formats_and_flags_still_renders(tmp_path):
     assert "flags: n/a" in text and "- weights: target bfloat16" in text
     row = next(line for line in text.splitlines() if line.startswith("| pld |")).split(" | ")
     assert row[1] == "n/a"  # weights not recorded
+
+
+LONG_NAME = "speculative@weights=gguf+draft_weights=gguf+gamma_schedule=cost"
+
+
+@pytest.mark.parametrize("width", [200, 100])
+def test_the_console_table_never_cuts_a_method_name(tmp_path, monkeypatch, capsys, width):
+    """Whole on a wide console; folded onto more lines, never ending in '…', on a narrow one."""
+    from rich.console import Console
+
+    import accelgen.cli
+    from accelgen.bench.cli import print_summary
+
+    records = mixed_records()[:2]
+    records[1]["method"] = LONG_NAME
+    results = report.render(write_run(tmp_path / "run", run_info(["hf-greedy", LONG_NAME], {}), records))
+    monkeypatch.setattr(accelgen.cli, "table_console", lambda: Console(width=width))
+    print_summary(results, tmp_path / "run")
+    lines = capsys.readouterr().out.splitlines()
+    method_cells = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
+    assert "…" not in "".join(lines)
+    assert "".join(method_cells[1:]) == LONG_NAME  # the rows after hf-greedy's hold the name, in order
+    if width == 200:
+        assert method_cells == ["hf-greedy", LONG_NAME]

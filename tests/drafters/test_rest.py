@@ -45,11 +45,13 @@ def test_suffix_array_matches_sorting_every_suffix(seed):
     assert [tokens[i:].tolist() for i in suffixes] == [tokens[i:].tolist() for i in suffixes_by_brute_force(tokens)]
 
 
-def test_suffix_array_sorted_to_a_depth_orders_those_prefixes():
-    tokens = np.array([1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=np.int32)
-    suffixes = build_suffix_array(tokens, sort_depth=4)
-    prefixes = [tokens[i : i + 4].tolist() for i in suffixes]
-    assert prefixes == sorted(prefixes) and sorted(suffixes.tolist()) == list(range(len(tokens)))
+def test_suffix_array_orders_ids_as_numbers_whatever_their_width():
+    """Ids past 2^16 (a 151k vocabulary) and past 2^24 sort by value, the separator first, not by their bytes."""
+    rng = np.random.default_rng(0)
+    symbols = np.array([SEPARATOR, 3, 255, 256, 65535, 65536, 151_000, 2**24 + 1], dtype=np.int32)
+    tokens = symbols[rng.integers(0, len(symbols), size=400)]
+    suffixes = build_suffix_array(tokens)
+    assert [tokens[i:].tolist() for i in suffixes] == [tokens[i:].tolist() for i in suffixes_by_brute_force(tokens)]
 
 
 # --- datastore ---------------------------------------------------------------------------------------------

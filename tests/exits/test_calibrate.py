@@ -1,16 +1,20 @@
 """Learn-then-Test for CALM's threshold: a valid p-value, fixed-sequence testing that stops at the first
 non-rejection, and the whole calibration on SmolLM2."""
 
+import math
 import random
 
 import pytest
 
-from accelgen.exits.calibrate import binomial_cdf, calibrate_calm, hoeffding_bentkus_p_value, learn_then_test
+from accelgen.exits.calibrate import calibrate_calm, hoeffding_bentkus_p_value, learn_then_test
 
 
-def test_binomial_cdf():
-    assert binomial_cdf(0, 3, 0.5) == pytest.approx(0.125)
-    assert binomial_cdf(3, 3, 0.5) == pytest.approx(1.0)
+def test_p_value_is_the_smaller_of_the_hoeffding_and_bentkus_bounds():
+    # no loss in 22 prompts: Hoeffding's exp(−n·kl(0 ‖ ε)) = (1 − ε)^n, below Bentkus's e · (1 − ε)^n
+    assert hoeffding_bentkus_p_value(0.0, 22, 0.1) == pytest.approx(0.9**22)
+    # 5 losses in 100: Bentkus's e · P(Bin(100, 0.1) ≤ 5) ≈ 0.157 is below Hoeffding's ≈ 0.188
+    tail = sum(math.comb(100, i) * 0.1**i * 0.9 ** (100 - i) for i in range(6))
+    assert hoeffding_bentkus_p_value(0.05, 100, 0.1) == pytest.approx(math.e * tail)
 
 
 def test_p_value_falls_with_the_observed_risk_and_the_sample_size():

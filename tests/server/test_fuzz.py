@@ -35,9 +35,17 @@ COMMON = {
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "method": field(st.sampled_from(["autoregressive", "pld", "speculative", "warp-drive"])),
-    "logprobs": field(st.booleans()),
-    "presence_penalty": field(st.floats(-2, 2)),
+    "presence_penalty": field(st.floats(-3, 3)),
+    "frequency_penalty": field(st.floats(-3, 3)),
+    "top_k": field(st.integers(-1, 60000)),
+    "response_format": field(st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}, {"type": "xml"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}])),
 }
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}}}}}
 MESSAGE = st.fixed_dictionaries(
     {"role": field(st.sampled_from(["system", "user", "assistant", "tool", "wizard"]))},
     optional={"content": field(st.text(max_size=20) | st.lists(st.fixed_dictionaries(
@@ -54,9 +62,12 @@ def bodies(base: dict, fields: dict) -> st.SearchStrategy:
 
 COMPLETION = bodies({"prompt": "def f(x):", "max_tokens": 4}, COMMON | {
     "prompt": field(st.text(max_size=20) | st.lists(st.integers(-1, 60000), max_size=5)),
-    "echo": field(st.booleans()), "suffix": field(st.text(max_size=4))})
+    "echo": field(st.booleans()), "suffix": field(st.text(max_size=4)), "logprobs": field(st.integers(-1, 6))})
 CHAT = bodies({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
-              COMMON | {"messages": field(st.lists(MESSAGE, max_size=3))})
+              COMMON | {"messages": field(st.lists(MESSAGE, max_size=3)), "logprobs": field(st.booleans()),
+                        "top_logprobs": field(st.integers(-1, 21)), "tools": field(st.just([TOOL])),
+                        "tool_choice": field(st.sampled_from(["auto", "none", "required", "maybe"])
+                                             | st.just({"type": "function", "function": {"name": "f"}}))})
 FUZZ = settings(max_examples=50, deadline=timedelta(seconds=10), derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 

@@ -1,11 +1,15 @@
 """The speculation policies: the goodput choice of draft length, its measured costs and acceptance."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from accelgen.costs import SIZES, probe_interval
-from accelgen.server.speculation import ForwardCosts, Goodput, TokenBudget, best_draft_length, calibrate
+from accelgen.profile import interpolate
+from accelgen.server.speculation import (ForwardCosts, Goodput, TokenBudget, best_draft_length, calibrate,
+                                        policy_calibration)
 
 AVX2 = {1: 1.0, 2: 1.64, 4: 2.8, 8: 5.9, 16: 11.5}  # r(k) of the 1.5B in bf16 on an AVX2-only EPYC
 NATIVE_BF16 = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.15, 16: 1.47}  # ... and on a CPU with native bf16 matrix units
@@ -59,6 +63,30 @@ def test_calibration_is_measured_once_per_model_and_machine_then_cached(measured
     assert len(measured) == 3
     calibrate(tiny_target, max_batch=3, widths=(1, 4))  # the next start of the server: from the cache
     assert len(measured) == 3
+
+
+def test_the_policy_calibration_reports_progress_and_a_restart_reads_the_cache(measured_costs, tiny_target,
+                                                                                 make_tiny_model):
+    draft = make_tiny_model(layers=1)
+    measured = measured_costs({tiny_target: (0.1, AVX2)})
+    reports = []
+    policy = Goodput(max_draft=4, calibration=policy_calibration(tiny_target, draft, max_batch=4, max_draft=4))
+    policy.prepare(reports.append)
+    assert reports == [f"timing batched forwards: {i}/6" for i in range(1, 7)]  # batches 1, 2, 4 of two models
+    assert policy.target(4, 5) == pytest.approx(4 * 0.1 * interpolate(AVX2, 5)) and policy.draft is not None
+    timed = len(measured)
+    restarted = Goodput(max_draft=4, calibration=policy_calibration(tiny_target, draft, max_batch=4, max_draft=4))
+    restarted.prepare()
+    assert len(measured) == timed and restarted.target.seconds == policy.target.seconds  # from the cache
+    threads = torch.get_num_threads()
+    try:  # the costs hold for one thread count, and one weight format
+        torch.set_num_threads(threads + 1)
+        calibrate(tiny_target, max_batch=1)
+        assert len(measured) == timed + 1
+    finally:
+        torch.set_num_threads(threads)
+    calibrate(copy.deepcopy(tiny_target).to(torch.bfloat16), max_batch=1)
+    assert len(measured) == timed + 2
 
 
 @pytest.mark.parametrize("ratios, expected", [

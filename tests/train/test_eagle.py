@@ -1,6 +1,6 @@
 """EAGLE head training: an untrained head passes the feature through, training beats it on held-out windows,
-checkpoints resume, the target's features are cached once, the draft vocabulary, the command line, and the
-vLLM export's layout."""
+checkpoints resume, the target's features are cached once, the draft vocabulary and the command line (the
+exports to vLLM and SGLang: tests/test_export.py)."""
 
 import json
 
@@ -11,10 +11,9 @@ from typer.testing import CliRunner
 
 import accelgen
 from accelgen.cli import app
-from accelgen.export import export_vllm_eagle
 from accelgen.train import eagle
 from accelgen.train.layerskip import packed_windows
-from accelgen.train.eagle import (EagleConfig, EagleHead, collect_features, draft_vocabulary, evaluate_eagle, new_head,
+from accelgen.train.eagle import (EagleConfig, collect_features, draft_vocabulary, evaluate_eagle, new_head,
                                   train_eagle, whole_windows)
 
 
@@ -108,51 +107,3 @@ def test_the_command_trains_a_head_that_generate_uses(command_inputs, tokenizer,
     assert all(result.exit_code == 0 for result in runs), runs[1].output
     plain, drafted = (json.loads(result.stdout.strip().splitlines()[-1]) for result in runs)
     assert drafted["token_ids"] == plain["token_ids"]
-
-
-def test_vllm_export_writes_the_eagle_layout(tiny_target, data, tmp_path):
-    windows, features, choices = data
-    head, _ = train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=3, **SMALL))
-    head.save(tmp_path / "head")
-    export_vllm_eagle(tmp_path / "head", tmp_path / "vllm")
-    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 64 and config["vocab_size"] == 49152
-    assert config["intermediate_size"] == 128 and config["num_key_value_heads"] == 2 and config["rope_theta"] == 10000.0
-    weights = load_file(tmp_path / "vllm" / "model.safetensors")
-    projections = [f"layers.0.self_attn.{name}_proj.weight" for name in "qkvo"] + \
-                  [f"layers.0.mlp.{name}_proj.weight" for name in ("gate", "up", "down")]
-    assert set(weights) == {"fc.weight", "layers.0.post_attention_layernorm.weight", *projections}
-    assert weights["fc.weight"].shape == (64, 128) and weights["layers.0.self_attn.k_proj.weight"].shape == (32, 64)
-    # the files hold the whole head: rebuilt from them, it computes what the trained head computes
-    rebuilt = EagleHead(EagleHead.load(tmp_path / "head").config.to_dict())
-    rebuilt.fc.weight.data = weights["fc.weight"].float()
-    rebuilt.layer.load_state_dict({name[len("layers.0."):]: tensor.float() for name, tensor in weights.items()
-                                   if name.startswith("layers.0.")})
-    length = windows.shape[1]
-    inputs = (tiny_target.get_input_embeddings()(windows[:1]), features[:1], *whole_windows(length))
-    assert torch.allclose(rebuilt(*inputs), head(*inputs), atol=0.05)
-
-
-def test_export_refuses_what_is_not_an_eagle_head(tmp_path):
-    (tmp_path / "medusa_heads.json").write_text("{}")
-    with pytest.raises(ValueError, match="holds Medusa heads; only EAGLE heads"):
-        export_vllm_eagle(tmp_path, tmp_path / "out")
-
-
-def test_export_overwrites_files_only_with_force(tiny_target, data, tmp_path):
-    windows, features, choices = data
-    head, _ = train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=1, **SMALL))
-    head.save(tmp_path / "head")
-    out = tmp_path / "vllm"
-    out.mkdir()
-    (out / "config.json").write_text("mine")
-    command = ["export", "vllm", str(tmp_path / "head"), "--out", str(out)]
-    refused = CliRunner().invoke(app, command)
-    assert refused.exit_code == 2 and "--force" in refused.output, refused.output
-    assert (out / "config.json").read_text() == "mine" and not (out / "model.safetensors").exists()
-    with pytest.raises(FileExistsError, match="already holds config.json"):
-        export_vllm_eagle(tmp_path / "head", out)
-    forced = CliRunner().invoke(app, [*command, "--force"])
-    assert forced.exit_code == 0, forced.output
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
