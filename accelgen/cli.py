@@ -474,7 +474,7 @@ def tune(
     """Tune for a model on this machine: the layers self-speculative skips, or the method auto picks."""
     import torch
 
-    from accelgen.bench.datasets import prompt_token_ids
+    from accelgen.datasets import prompt_token_ids
 
     if method not in ("self-speculative", "auto"):
         raise typer.BadParameter(f"only self-speculative and auto can be tuned, not {method!r}")
@@ -499,7 +499,7 @@ def tune(
 def load_prompts(dataset: str) -> list:
     """A dataset's prompts, read before any model loads: an unknown name or a dataset package that is not
     installed (the bench extra) ends the command at once with the reason."""
-    from accelgen.bench.datasets import load_dataset
+    from accelgen.datasets import load_dataset
 
     try:
         return load_dataset(dataset)
@@ -537,7 +537,7 @@ def calibrate(
     """Choose calm's threshold with Learn-then-Test: agreement with the full model within epsilon, with probability 1 − delta."""
     import torch
 
-    from accelgen.bench.datasets import prompt_token_ids
+    from accelgen.datasets import prompt_token_ids
     from accelgen.exits.calibrate import calibrate_calm, save_calibration
 
     if method != "calm":

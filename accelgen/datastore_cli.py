@@ -21,7 +21,7 @@ def sharegpt_texts(limit: Optional[int] = None) -> Iterator[str]:
     The conversations the benchmark samples its prompts from are left out, so a `rest` run on the `sharegpt`
     benchmark never retrieves the answers to its own prompts.
     """
-    from accelgen.bench.datasets import iter_json_array, sharegpt_file, sharegpt_sampled
+    from accelgen.datasets import iter_json_array, sharegpt_file, sharegpt_sampled
 
     conversations = iter_json_array(sharegpt_file(), truncated_ok=True)
     for count, conversation in enumerate(conversations):

@@ -25,10 +25,11 @@ from accelgen.models.batch import batched_forward, forward_alone, forward_togeth
 from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.registry import check_option, get_method
 from accelgen.processors import build_pipeline
-from accelgen.sampling import PositionNoise, SamplingConfig, logits_to_probs, sampling_scores
+from accelgen.prompts import encode_prompt, eos_token_ids, prompt_rows
+from accelgen.sampling import PositionNoise, SamplingConfig, sampling_scores
 from accelgen.stopping import Output
 from accelgen.structured import grammar_constraint
-from accelgen.verify import verify_greedy, verify_gumbel, verify_speculative_sampling
+from accelgen.verify import default_verifier, verify_gumbel
 
 
 # "method": drafts as long as the method's options say; "measured": capped each step at the length the measured
@@ -38,8 +39,6 @@ DRAFT_BUDGETS = ("method", "measured")
 # the types generate()'s own arguments take (float: a finite number, an int too), checked as method options are
 ARGUMENT_TYPES = {"max_new_tokens": (int,), "temperature": (float,), "top_k": (int,), "top_p": (float,),
                   "seed": (int, type(None))}
-ONE_PROMPT = ("one prompt is expected here; generate() takes several as a list of prompts or as a (batch, L) tensor "
-              "with its attention_mask, and `accelgen serve` batches concurrent requests")
 
 
 @dataclass
@@ -251,14 +250,6 @@ def _steps(sequence: "Sequence"):
         target_logits = sequence.target.forward(step.input_ids, step.tree, step.logits_for_last)
         yield sequence.commit(step, target_logits)
     return sequence.finish()
-
-
-def default_verifier(sampling: SamplingConfig, **_options):
-    """Greedy match at temperature 0, else speculative sampling (exact on chains, and on trees of i.i.d. siblings)."""
-    if sampling.greedy:
-        return lambda draft, target_logits, generator: verify_greedy(draft, target_logits)
-    return lambda draft, target_logits, generator: verify_speculative_sampling(
-        draft, logits_to_probs(target_logits, sampling), generator)
 
 
 @dataclass
@@ -498,112 +489,3 @@ def token_logprobs(scores: torch.Tensor, tokens: list[int], top: int) -> list[To
         alternatives = [(i, value) for i, value in zip(ids, values) if value != float("-inf")]
         entries.append(TokenLogprob(token, logprob, alternatives))
     return entries
-
-
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a text, id list/tensor or chat-message prompt; an empty prompt starts from BOS if there is one.
-    Ids are never coerced: floats and bools are refused, not truncated, and so are several prompts at once."""
-    if isinstance(prompt, torch.Tensor):
-        ids = tensor_token_ids(prompt)
-    elif isinstance(prompt, str):
-        ids = tokenizer(prompt).input_ids if prompt else []
-    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    elif isinstance(prompt, (list, tuple)):
-        try:  # a list of token ids, as Python, numpy or 0-d tensor integers; torch refuses ragged or text items
-            tensor = torch.tensor(prompt, dtype=None if prompt else torch.long)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"prompt must be one text, one list of token ids or one list of chat messages; "
-                             f"{ONE_PROMPT}") from None
-        if any(isinstance(token, bool) for token in prompt):
-            raise ValueError("prompt token ids must be integers, not bools")
-        ids = tensor_token_ids(tensor)
-    else:
-        raise TypeError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
-    if not ids:
-        if tokenizer.bos_token_id is None:
-            raise ValueError("empty prompt: this tokenizer has no BOS token to start from; give at least one token")
-        ids = [tokenizer.bos_token_id]
-    return ids
-
-
-def tensor_token_ids(prompt: torch.Tensor) -> list[int]:
-    """The ids of one prompt as a (L,) or (1, L) integer tensor (as a tokenizer returns it)."""
-    check_integer_ids(prompt)
-    if prompt.dim() == 2 and len(prompt) == 1:
-        prompt = prompt[0]
-    if prompt.dim() != 1:
-        raise ValueError(f"prompt token ids have shape {tuple(prompt.shape)}, not (L,) or (1, L): {ONE_PROMPT}")
-    return prompt.tolist()
-
-
-def check_integer_ids(token_ids: torch.Tensor) -> None:
-    if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-        raise ValueError(f"prompt token ids must be integers, got {token_ids.dtype} values")
-
-
-def prompt_rows(prompt, attention_mask, pad_token_id: int | None, eos_ids: set[int]) -> tuple[list, bool]:
-    """(the prompts, whether several were given): one prompt; a list of prompts (texts, id lists or tensors, chats);
-    or token ids, (L,) or (batch, L), whose padding attention_mask marks, or else pad_token_id (several rows)."""
-    if isinstance(prompt, torch.Tensor) or attention_mask is not None:
-        token_ids = id_tensor(prompt)
-        rows = token_ids[None] if token_ids.dim() == 1 else token_ids
-        if rows.dim() != 2:
-            raise ValueError(f"prompt token ids have shape {tuple(token_ids.shape)}, not (L,) or (batch, L)")
-        mask = padding_mask(rows, token_ids.shape, attention_mask, pad_token_id, eos_ids)
-        return [row[keep].tolist() for row, keep in zip(rows, mask)], token_ids.dim() == 2 and len(rows) > 1
-    several = (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-               and all(isinstance(item, (str, list, tuple)) or isinstance(item, torch.Tensor) and item.dim() > 0
-                       for item in prompt))
-    return (list(prompt), True) if several else ([prompt], False)
-
-
-def id_tensor(prompt) -> torch.Tensor:
-    """Token ids given with an attention_mask, as a tensor (a tensor, or a rectangular list of lists)."""
-    try:
-        token_ids = torch.as_tensor(prompt)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError("with attention_mask, the prompt must be token ids: a (batch, L) tensor or equal-length "
-                         "lists") from None
-    check_integer_ids(token_ids)
-    return token_ids
-
-
-def padding_mask(rows: torch.Tensor, shape: torch.Size, attention_mask, pad_token_id: int | None,
-                 eos_ids: set[int]) -> torch.Tensor:
-    """(batch, L) bool, True at each row's own tokens: attention_mask (of the prompt's shape), or where no mask is
-    given and there are several rows, the tokens other than pad_token_id. Each row's tokens must be one run at
-    its end (left padding) or start (right padding), as a tokenizer pads."""
-    if attention_mask is not None:
-        mask = torch.as_tensor(attention_mask)
-        if mask.shape != shape:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, the prompt {tuple(shape)}")
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
-        mask, marked_by = mask.reshape(rows.shape).bool(), "attention_mask"
-    elif len(rows) > 1 and pad_token_id is not None and bool((rows == pad_token_id).any()):
-        if pad_token_id in eos_ids:  # an EOS at a row's end may be text: padding cannot be told from it
-            raise ValueError(f"the prompts hold pad_token_id {pad_token_id}, which is also an EOS token, so their "
-                             "padding cannot be told from their text: pass attention_mask")
-        mask, marked_by = rows != pad_token_id, f"pad_token_id {pad_token_id}"
-    else:
-        return torch.ones_like(rows, dtype=torch.bool)
-    for index, keep in enumerate(mask):
-        kept = keep.nonzero().flatten()
-        one_run = len(kept) == 0 or int(kept[-1] - kept[0]) + 1 == len(kept)
-        if not one_run or len(kept) and kept[0] > 0 and kept[-1] < len(keep) - 1:
-            raise ValueError(f"prompt row {index}: its padding ({marked_by}) is neither left nor right padding")
-    return mask
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """EOS ids from the model's generation config and the tokenizer (chat models often have several)."""
-    ids = set()
-    generation_config = getattr(model, "generation_config", None)
-    configured = getattr(generation_config, "eos_token_id", None)
-    if configured is not None:
-        ids.update([configured] if isinstance(configured, int) else configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from accelgen.cli import app
-from accelgen.bench.datasets import iter_json_array, load_dataset, sharegpt_file
+from accelgen.datasets import iter_json_array, load_dataset, sharegpt_file
 from accelgen.datastore_cli import dataset_texts, record_texts
 from accelgen.drafters.rest import Datastore
 

@@ -8,7 +8,7 @@ import torch
 
 import accelgen
 from accelgen.draft import ROOT, Draft, Verdict
-from accelgen.generate import encode_prompt, eos_token_ids
+from accelgen.prompts import encode_prompt, eos_token_ids
 from accelgen.registry import MethodSpec
 from accelgen.sampling import logits_to_probs
 
@@ -337,7 +337,7 @@ def test_empty_prompt_starts_from_bos_or_is_refused(smollm):
     model, tokenizer = smollm
     result = accelgen.generate(model, tokenizer, "", max_new_tokens=3)  # SmolLM2 has a BOS token
     assert len(result.token_ids) == 3
-    no_bos = copy.copy(tokenizer)
+    no_bos = copy.deepcopy(tokenizer)  # a shallow copy shares (and would clear) the fixture's BOS
     no_bos.bos_token = None
     with pytest.raises(ValueError, match="empty prompt"):
         accelgen.generate(model, no_bos, "", max_new_tokens=3)

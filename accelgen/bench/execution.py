@@ -10,7 +10,7 @@ only what is new; the report shows pass@1 per method, the share of prompts whose
 
 from __future__ import annotations
 
-from accelgen.bench.datasets import humaneval_tasks
+from accelgen.datasets import humaneval_tasks
 
 # a completion ends where the model starts something other than the function body (Chen et al. 2021)
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")

@@ -22,7 +22,7 @@ from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
 from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
 from accelgen.bench.llamacpp import LlamaCppPeers
 from accelgen.bench.records import generation_record
-from accelgen.generate import eos_token_ids
+from accelgen.prompts import eos_token_ids
 from accelgen.models.loading import check_weights
 from accelgen.registry import merge_options, parse_method_option
 

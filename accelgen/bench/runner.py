@@ -25,7 +25,7 @@ import accelgen
 from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen import hardware
 from accelgen.bench import audit, llamacpp
-from accelgen.bench.datasets import Prompt, load_dataset, prompt_token_ids
+from accelgen.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline

@@ -9,7 +9,7 @@ at least as many tokens on average as token-wise verification. At temperature 0 
 from __future__ import annotations
 
 from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
-from accelgen.generate import default_verifier
+from accelgen.verify import default_verifier
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import logits_to_probs
 from accelgen.verify import verify_block

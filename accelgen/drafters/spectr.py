@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
-from accelgen.generate import default_verifier
+from accelgen.verify import default_verifier
 from accelgen.registry import MethodSpec, register
 from accelgen.sampling import logits_to_probs
 from accelgen.verify import verify_spectr

@@ -28,7 +28,7 @@ import torch
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.draft_model import roll_back
 from accelgen.drafters.prompt_lookup import NGramIndex, copy_continuation
-from accelgen.generate import default_verifier
+from accelgen.verify import default_verifier
 from accelgen.models.runner import ModelRunner, runner_for
 from accelgen.sampling import SamplingConfig, logits_to_probs
 

@@ -27,7 +27,7 @@ import torch
 
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.draft_model import catch_up
-from accelgen.generate import eos_token_ids
+from accelgen.prompts import eos_token_ids
 from accelgen.models.runner import runner_for
 from accelgen.registry import MethodSpec, register
 

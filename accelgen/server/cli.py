@@ -116,7 +116,7 @@ def loadtest(
     """Load-test a server with concurrent streaming clients: throughput, latency percentiles, τ, memory."""
     import asyncio
 
-    from accelgen.bench.datasets import load_dataset
+    from accelgen.datasets import load_dataset
     from accelgen.server.loadtest import run_load, save
 
     method_list = [name.strip() for name in methods.split(",") if name.strip()]

@@ -397,7 +397,7 @@ def register(app: typer.Typer) -> None:
 
         import torch
 
-        from accelgen.bench.datasets import load_dataset, prompt_token_ids
+        from accelgen.datasets import load_dataset, prompt_token_ids
         from accelgen.drafters.online import OnlineLearner, moving_average, plot_acceptance, stream_requests
         from accelgen.models import load_model
         from accelgen.train.distill import check_divergence

@@ -236,7 +236,7 @@ def distillation_prompts(dataset: str, tokenizer, count: int, held_out: int) -> 
                   turns of the other conversations
     jsonl:FILE    (or specbench:FILE) the first held_out prompts are held out, the ones after them train
     """
-    from accelgen.bench.datasets import load_dataset, prompt_token_ids
+    from accelgen.datasets import load_dataset, prompt_token_ids
 
     if count < 1 or held_out < 1:
         raise ValueError(f"need at least one training and one held-out prompt, got {count} and {held_out}")
@@ -253,7 +253,7 @@ def distillation_prompts(dataset: str, tokenizer, count: int, held_out: int) -> 
 
 def sharegpt_training_prompts(count: int) -> list:
     """First human turns of ShareGPT conversations outside the `sharegpt` benchmark's sample, in file order."""
-    from accelgen.bench.datasets import (SHAREGPT_MAX_PROMPT_CHARS, Prompt, iter_json_array, sharegpt_file,
+    from accelgen.datasets import (SHAREGPT_MAX_PROMPT_CHARS, Prompt, iter_json_array, sharegpt_file,
                                          sharegpt_sampled)
 
     prompts = []

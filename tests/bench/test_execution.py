@@ -4,7 +4,7 @@ and a benchmark run with --execute reports it (with early exit's depth beside it
 from __future__ import annotations
 
 from accelgen.bench import report, runner
-from accelgen.bench.datasets import humaneval_tasks
+from accelgen.datasets import humaneval_tasks
 from accelgen.bench.execution import execute_records, truncate_completion
 from accelgen.bench.runner import BenchConfig
 

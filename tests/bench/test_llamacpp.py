@@ -11,7 +11,7 @@ import pytest
 import accelgen
 from accelgen.bench import llamacpp, methods, runner
 from accelgen.bench.runner import BenchConfig
-from accelgen.generate import encode_prompt, eos_token_ids
+from accelgen.prompts import encode_prompt, eos_token_ids
 
 needs_xllamacpp = pytest.mark.skipif(importlib.util.find_spec("xllamacpp") is None,
                                      reason="llama.cpp rows need `pip install 'accelgen[llamacpp]'`")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.generate import encode_prompt
+from accelgen.prompts import encode_prompt
 
 CYCLE_SEED_PROMPT = [5, 17, 23, 41, 7, 12]
 

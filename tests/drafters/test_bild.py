@@ -6,7 +6,7 @@ import torch
 
 import accelgen
 from accelgen.drafters.bild import FallbackDrafter
-from accelgen.generate import encode_prompt
+from accelgen.prompts import encode_prompt
 from accelgen.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

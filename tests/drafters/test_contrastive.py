@@ -6,7 +6,7 @@ import torch
 
 import accelgen
 from accelgen.drafters.draft_model import DraftModelDrafter
-from accelgen.generate import encode_prompt
+from accelgen.prompts import encode_prompt
 from accelgen.sampling import SamplingConfig
 from accelgen.verify.contrastive import contrastive_scores
 

@@ -5,7 +5,7 @@ import torch
 
 import accelgen
 from accelgen.drafters.draft_model import DraftModelDrafter
-from accelgen.generate import encode_prompt
+from accelgen.prompts import encode_prompt
 from accelgen.quality import matching_prefix, token_agreement
 from accelgen.sampling import SamplingConfig
 from accelgen.verify import verify_specdec

@@ -8,7 +8,7 @@ import torch
 
 import accelgen
 from accelgen.exits.calm import CALIBRATION_FILE, default_exit_layers, make_rule, saturation, softmax_response
-from accelgen.generate import encode_prompt
+from accelgen.prompts import encode_prompt
 from accelgen.models.early_exit import EarlyExitRunner
 
 CHAT = [{"role": "user", "content": "Write a Python function that returns the squares of a list."}]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from accelgen.bench import datasets
-from accelgen.bench.datasets import Prompt, iter_json_array, load_dataset, prompt_token_ids, take_balanced
+import accelgen.datasets as datasets
+from accelgen.datasets import Prompt, iter_json_array, load_dataset, prompt_token_ids, take_balanced
 
 
 def write_jsonl(path, items):

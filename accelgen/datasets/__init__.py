@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from accelgen.generate import encode_prompt
+from accelgen.prompts import encode_prompt
 
 DATASETS = ("humaneval", "humaneval-long", "sharegpt", "specbench", "specbench:<file>", "jsonl:<file>")
 # `specbench` without a file: chat questions in Spec-Bench's format and 13 categories, written for this project
