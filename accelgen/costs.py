@@ -72,7 +72,7 @@ def costs_path(model, threads: int | None = None) -> Path:
 def time_forwards(model, batch: int, sizes: list[int]) -> dict[int, float]:
     """The real Timer: median seconds of one forward of `batch` sequences, k new tokens each after CONTEXT_TOKENS
     cached, per k in sizes; progress on stderr."""
-    from accelgen.profile import batch_forward_seconds, timing_prompt
+    from accelgen.models.timing import batch_forward_seconds, timing_prompt
 
     def progress(k: int) -> None:
         print(f" {k}", end="", file=sys.stderr, flush=True)

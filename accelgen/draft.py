@@ -74,6 +74,17 @@ class Verdict:
         """The tokens this step commits: the accepted draft tokens, then next_token."""
         return [int(draft.tokens[i]) for i in self.accepted] + [self.next_token]
 
+    def kept_rows(self) -> list[int]:
+        """The rows of the scored block (root at row 0, node i at row i+1) on the accepted path: the root's, then
+        each accepted node's. The KV cache keeps these, and row r's logits chose the r-th committed token."""
+        return [0] + [node + 1 for node in self.accepted]
+
+
+def keep_accepted(runner, root_position: int, verdict: Verdict) -> None:
+    """Roll back a KV cache (a model runner's) that has just scored root + draft: it keeps the positions before
+    the root, the root and the accepted path, so the token the verdict adds becomes the next root."""
+    runner.keep(root_position, verdict.kept_rows())
+
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """(n,) depth of each node below the root (children of the root have depth 1)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import save_tensors_atomically, torch_save_atomically, write_json_atomically
-from accelgen.train import eagle, medusa
+from accelgen.heads import eagle, medusa
 
 CONFIG, WEIGHTS, TOKEN_MAP = "config.json", "model.safetensors", "token_map.pt"
 EXPORT_FILES = (CONFIG, WEIGHTS, TOKEN_MAP)  # every file an export may write

@@ -19,7 +19,8 @@ from typing import Iterator
 import torch
 
 from accelgen.costs import budgeted
-from accelgen.draft import Draft, tree_attention
+from accelgen.draft import Draft, keep_accepted, tree_attention
+from accelgen.drafters.base import BuildContext
 from accelgen.hf import Settings, generation_settings
 from accelgen.models.batch import batched_forward, forward_alone, forward_together
 from accelgen.models.runner import ModelRunner, runner_for
@@ -315,8 +316,8 @@ class Sequence:
         if draft_budget not in DRAFT_BUDGETS:
             raise ValueError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
         options = spec.check_options(method_options)
-        if "draft_model" in spec.needs and draft_model is None:
-            raise ValueError(f"method {method!r} needs a draft model: pass draft_model= (CLI: --draft)")
+        spec.check_needs(draft_model=draft_model)
+        drafting, verifying, running = spec.split_options(options)
         arguments = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         for name, value in arguments.items():
             check_option(name, value, ARGUMENT_TYPES[name])
@@ -327,10 +328,10 @@ class Sequence:
             raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
         generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         prompt_ids = encode_prompt(tokenizer, prompt)
-        if spec.make_runner and not isinstance(model, torch.nn.Module):
+        if spec.runner and not isinstance(model, torch.nn.Module):
             raise ValueError(f"method {method!r} runs the model's layers itself and needs a PyTorch model; load it "
                              "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
-        target = spec.make_runner(model, **options) if spec.make_runner else runner_for(model)
+        target = spec.runner.make(model, running) if spec.runner else runner_for(model)
         if len(prompt_ids) >= target.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
         outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
@@ -352,15 +353,12 @@ class Sequence:
         per_position = seed is not None and not sampling.greedy and spec.lossless == "distribution-exact"
         noise = PositionNoise(seed, target.vocab_size) if per_position else None
         sampling = dataclasses.replace(sampling, processors=processors, noise=noise)
-        make_verifier = spec.make_verifier or default_verifier
-        verify = make_verifier(sampling, **options)
-        drafter = spec.make_drafter(model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
-                                    generator=generator, **options)
-        if draft_budget == "measured" and getattr(drafter, "draft_budget", None) is None:
-            drafter = budgeted(drafter, model, draft_model if "draft_model" in spec.needs else None)
-        attach = getattr(drafter, "attach", None)  # drafters that read the target's KV cache (`triforce`)
-        if attach is not None:
-            attach(target)
+        verify = spec.verifier.make(sampling, verifying) if spec.verifier else default_verifier(sampling)
+        build = BuildContext(model, target, draft_model, tokenizer, sampling, generator)
+        drafter = spec.drafter.make(build, drafting)
+        # (a drafter that drafts with the target pays a target forward whatever its length: no budget applies)
+        if draft_budget == "measured" and drafter.draft_budget is None and not drafter.drafts_with_target:
+            drafter = budgeted(drafter, model, draft_model if spec.needs_draft_model else None)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(text, str) for text in stop):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
@@ -375,7 +373,7 @@ class Sequence:
     @property
     def drafts_with_a_model(self) -> bool:
         """Whether its drafts take model forwards that a server can batch (drafters offering `draft_steps`)."""
-        return hasattr(self.drafter, "draft_steps")
+        return self.drafter.batches_draft_forwards
 
     @property
     def uncached(self) -> int:
@@ -400,14 +398,15 @@ class Sequence:
         started = time.perf_counter()
         draft = Draft.empty()
         if room > 0:
-            draft_steps = getattr(self.drafter, "draft_steps", None)
-            if draft_steps is not None:
-                draft = yield from draft_steps(self.context, room)
+            if self.drafter.drafts_with_target:
+                draft = draft_with_target(self.target, self.drafter, self.context, room)
+            elif self.drafter.batches_draft_forwards:
+                draft = yield from self.drafter.draft_steps(self.context, room)
             else:
                 draft = self.drafter.propose(self.context, room)
             draft = draft.truncated(room)
         self.stats.draft_seconds += time.perf_counter() - started
-        uncached = self.context[self.target.length :]  # a drafter that runs the target itself (PaSS) may cache some
+        uncached = self.context[self.target.length :]  # the drafting forward (PaSS) may have cached the prompt
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
         return Step(torch.cat([uncached, draft.tokens]), draft, tree, logits_for_last=len(draft) + 1)
 
@@ -422,8 +421,7 @@ class Sequence:
             verdict = verify_gumbel(draft, scores, self.sampling, first_position=len(self.context))
         else:
             verdict = self.verify(draft, scores, self.generator)
-        prefix = len(self.context) - 1  # cache positions before the root
-        self.target.keep(prefix, [0] + [node + 1 for node in verdict.accepted])
+        keep_accepted(self.target, len(self.context) - 1, verdict)
         self.drafter.update(draft, verdict, target_logits)  # the model's own logits: drafters learn the model
         self.stats.record(draft, len(verdict.accepted))
         committed = []
@@ -431,8 +429,7 @@ class Sequence:
             committed.append(token)
             if self.output.add(token):
                 break
-        # the row that chose each committed token: the root's, then each accepted node's
-        logprobs = self.record(scores, [0] + [node + 1 for node in verdict.accepted], committed)
+        logprobs = self.record(scores, verdict.kept_rows(), committed)  # the row that chose each committed token
         self.context = torch.cat([self.context, torch.tensor(committed, dtype=torch.long)])
         if len(self.context) >= self.target.max_positions:
             self.output.finish_reason = self.output.finish_reason or "length"
@@ -460,22 +457,34 @@ class Sequence:
 
     def finish(self) -> GenerationResult:
         """Release per-request drafter state and return the result (also for a sequence cut short)."""
-        close = getattr(self.drafter, "close", None)  # e.g. a shared trie's prompt branches
-        if close is not None:
-            close()
+        self.drafter.close()  # e.g. a shared trie's prompt branches
         output = self.output
         stats = self.stats.as_dict(len(output.token_ids))
         exits = getattr(self.target, "describe", None)  # early exit: the layers decoding went through
         if exits is not None:
             stats.update(exits())
-        describe = getattr(self.drafter, "describe", None)  # optional: what a policy (`auto`) chose, and why
-        if describe is not None:
-            stats["choice"] = describe()
+        choice = self.drafter.describe()  # what a policy (`auto`) chose, and why
+        if choice is not None:
+            stats["choice"] = choice
         logprobs = self.token_logprobs if self.top_logprobs is not None else None
         scores = None
         if self.output_scores:
             scores = torch.cat(self.scores) if self.scores else torch.empty(0, self.target.vocab_size)
         return GenerationResult(output.token_ids, output.text, output.finish_reason or "abort", stats, logprobs, scores)
+
+
+@torch.inference_mode()
+def draft_with_target(target: ModelRunner, drafter, context: torch.Tensor, max_nodes: int) -> Draft:
+    """The draft of a drafter that drafts with the target (`Drafter.drafts_with_target`, PaSS): one target forward
+    over the tokens its cache lacks (the root, on the first step the prompt too) and the drafter's look-ahead
+    embeddings, whose rows the drafter reads. The cache then keeps what comes before the root (the prompt is read
+    once); the step's own forward reads the root again. context: (L,) long, prompt + committed tokens."""
+    cached = target.length
+    uncached = context[cached:]  # (u,)
+    appended = drafter.lookahead(max_nodes)  # (k, d)
+    logits = target.forward(uncached, logits_for_last=1 + len(appended), appended=appended)  # (1 + k, vocab)
+    target.keep(cached, list(range(len(uncached) - 1)))
+    return drafter.draft_from(logits)
 
 
 def token_logprobs(scores: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -10,51 +10,12 @@ how far; accelgen/costs.py measures the costs the policies use once per machine 
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
-import torch
-
-from accelgen.models.batch import batched_forward
-from accelgen.models.runner import runner_for
+from accelgen.models.timing import batch_forward_seconds, forward_seconds, timing_prompt
 from accelgen.theory import best_gamma, predicted_speedup
 
 SIZES = (1, 2, 4, 8, 16, 32)
-
-
-def timing_prompt(model, context_tokens: int) -> list[int]:
-    """Token ids to time forwards after (their values do not change the cost)."""
-    return [(7 * i) % model.config.vocab_size for i in range(1, context_tokens + 1)]
-
-
-def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: int = 5) -> float:
-    """Median time of one forward over `new_tokens` tokens after a KV cache of prompt_ids (the first is warm-up)."""
-    return batch_forward_seconds(model, prompt_ids, 1, [new_tokens], repeats)[new_tokens]
-
-
-def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5,
-                          progress: Callable[[int], None] = lambda k: None) -> dict[int, float]:
-    """Per k in sizes: median time of one forward of `batch` sequences, k tokens each after a KV cache of
-    prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up).
-    progress(k) is called before each size."""
-    runners = [runner_for(model) for _ in range(batch)]
-    for runner in runners:
-        runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
-    prefix = runners[0].length
-    seconds = {}
-    for k in sizes:
-        progress(k)
-        block = torch.tensor((prompt_ids * k)[:k])  # token values do not change the cost
-        times = []
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            batched_forward(runners, [(block, None, k)] * batch)
-            times.append(time.perf_counter() - started)
-            for runner in runners:
-                runner.keep(prefix, [])  # forget the block again
-        seconds[k] = statistics.median(times[1:])
-    return seconds
 
 
 def profile(model, draft_model=None, *, context_tokens: int = 256, sizes=SIZES, repeats: int = 5, batch_sizes=(),

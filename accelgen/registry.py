@@ -1,17 +1,60 @@
-"""The registry of generation methods: name -> what it is, what it needs, how lossless it is, how to build it."""
+"""The registry of generation methods: name -> what it is, what it needs, how lossless it is, how to build it.
+
+A method is a MethodSpec whose parts (a drafter, and where the method has them its own verifier and target
+runner) each come with the options dataclass they take; its module registers it on import, and accelgen/methods.py
+says which module that is, so that a method's module is imported only when the method is asked for.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, fields
 from typing import Callable
+
+from accelgen.methods import METHODS
 
 LOSSLESS_CLASSES = {
     "greedy-exact": "identical tokens to greedy decoding; sampling not supported",
     "distribution-exact": "identical tokens to greedy decoding, and samples from exactly the target distribution",
     "lossy": "faster by design at some cost in agreement with the target; quality is measured",
 }
+
+
+class MethodOptions:
+    """The options one part of a method (its drafter, verifier or runner) takes, as a frozen dataclass whose
+    fields are the option names with their defaults (a list default through field(default_factory=...)).
+
+    The registry checks each value's type against its default (`merge_options`); a subclass checks what else
+    its values must satisfy in __post_init__. A part gets its own options only (`take`)."""
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """Option name -> default value, in the order of the fields."""
+        return {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(cls)}
+
+    @classmethod
+    def take(cls, options: dict):
+        """This part's own options out of a method's options (those left out keep their defaults)."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+    def as_dict(self) -> dict:
+        """The options by name, the values themselves (not copies: a shared learner or trie stays shared)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class NoOptions(MethodOptions):
+    """The options of a part that takes none."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a method: the factory that builds it and the options dataclass (a MethodOptions) it takes."""
+
+    make: Callable
+    options: type = NoOptions
 
 
 @dataclass(frozen=True)
@@ -21,27 +64,59 @@ class MethodSpec:
     lossless: str  # a key of LOSSLESS_CLASSES
     paper: str
     summary: str
-    make_drafter: Callable  # (target_model, *, draft_model, tokenizer, sampling, generator, **options) -> Drafter
+    drafter: Part  # make(build: drafters.base.BuildContext, options) -> drafters.base.Drafter
     needs: tuple[str, ...] = ()  # e.g. ("draft_model",)
-    options: dict = field(default_factory=dict)  # option name -> default value, whose type the option takes (check_option)
-    # (sampling, **options) -> verify(draft, target_logits, generator) -> Verdict, for a method with its own
-    # verification rule; None: greedy match at temperature 0, speculative sampling otherwise
-    make_verifier: Callable | None = None
+    # make(sampling, options) -> verify(draft, target_logits, generator) -> Verdict, for a method with its own
+    # verification rule; None: greedy match at temperature 0, speculative sampling otherwise (verify.default)
+    verifier: Part | None = None
     greedy_only: bool = False  # a lossy rule that relaxes greedy matching (greedy-exact methods are greedy only anyway)
-    # (target_model, **options) -> ModelRunner, for a method that changes the target's own forward (early exit,
+    # make(target_model, options) -> ModelRunner, for a method that changes the target's own forward (early exit,
     # accelgen/exits/); None: the plain ModelRunner
-    make_runner: Callable | None = None
+    runner: Part | None = None
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:
             raise ValueError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
+        defaults: dict = {}
+        for part in self.parts:
+            for name, default in part.options.defaults().items():
+                if defaults.setdefault(name, default) != default:  # one option, one meaning, in every part
+                    raise ValueError(f"{self.name}: option {name!r} has different defaults in its parts")
+
+    @property
+    def parts(self) -> list[Part]:
+        """The method's parts, in the order its options are listed: runner, drafter, verifier."""
+        return [part for part in (self.runner, self.drafter, self.verifier) if part is not None]
+
+    @property
+    def options(self) -> dict:
+        """Option name -> default value, whose type the option takes (check_option): every part's options."""
+        return {name: default for part in self.parts for name, default in part.options.defaults().items()}
 
     @property
     def can_sample(self) -> bool:
         return not self.greedy_only and self.lossless != "greedy-exact"
 
+    @property
+    def needs_draft_model(self) -> bool:
+        return "draft_model" in self.needs
+
     def check_options(self, options: dict) -> dict:
         return merge_options(self.name, self.options, options)
+
+    def check_needs(self, *, draft_model, how: str = "draft_model= (CLI: --draft)") -> None:
+        """A ValueError when the method needs a draft model and draft_model is None; `how` says how to pass one
+        (the command line's "--draft", the Python API's "draft_model=")."""
+        if self.needs_draft_model and draft_model is None:
+            raise ValueError(f"method {self.name!r} needs a draft model: pass {how}")
+
+    def split_options(self, options: dict) -> tuple:
+        """(drafter, verifier, runner) options, each part's own out of the method's checked options, each checked
+        by its dataclass; None for a part the method does not declare."""
+        drafting = self.drafter.options.take(options)
+        verifying = self.verifier.options.take(options) if self.verifier else None
+        running = self.runner.options.take(options) if self.runner else None
+        return drafting, verifying, running
 
 
 # options every method takes, handled by the loop (accelgen/generate.py) rather than by the method
@@ -154,25 +229,27 @@ def register(spec: MethodSpec) -> MethodSpec:
 def parse_method_option(method: str, name: str, text: str):
     """A command-line value of `method`'s option `name`, parsed by the option's declared type (JSON or text where
     the method or the option is not a registered one, e.g. the benchmark's HF rows)."""
-    _load_builtin_methods()
-    spec = _METHODS.get(method)
+    spec = _registered(method)
     default_known = spec is not None and name in spec.options
     return parse_option_value(text, option_types(name, spec.options[name]) if default_known else None)
 
 
 def get_method(name: str) -> MethodSpec:
-    _load_builtin_methods()
-    try:
-        return _METHODS[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; available methods: {', '.join(sorted(_METHODS))}") from None
+    spec = _registered(name)
+    if spec is None:
+        available = ", ".join(sorted(set(_METHODS) | set(METHODS)))
+        raise ValueError(f"unknown method {name!r}; available methods: {available}")
+    return spec
 
 
 def list_methods() -> list[MethodSpec]:
-    _load_builtin_methods()
+    for name in METHODS:
+        _registered(name)
     return sorted(_METHODS.values(), key=lambda spec: (spec.family, spec.name))
 
 
-def _load_builtin_methods() -> None:
-    import accelgen.drafters  # noqa: F401  (each drafter module registers its methods on import)
-    import accelgen.exits  # noqa: F401  (and so does each early-exit module)
+def _registered(name: str) -> MethodSpec | None:
+    """The method's spec, its module imported first if it is a built-in one not yet registered; None if unknown."""
+    if name not in _METHODS and name in METHODS:
+        importlib.import_module(METHODS[name])  # registers the methods it declares
+    return _METHODS.get(name)

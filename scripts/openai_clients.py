@@ -39,7 +39,7 @@ def main() -> int:
 
     with contextlib.ExitStack() as stack:
         if args.url is None:
-            from accelgen.server.cli import started_server
+            from accelgen.cli.loadtest import started_server
 
             command = ["serve", "--model", args.model, "--draft", args.draft, "--dtype", args.dtype,
                        "--draft-dtype", args.dtype, "--method", BASELINE, "--allow-methods", ",".join(methods),

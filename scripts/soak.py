@@ -24,7 +24,7 @@ import numpy as np
 
 from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen.datasets import load_dataset
-from accelgen.server.cli import started_server
+from accelgen.cli.loadtest import started_server
 from accelgen.server.loadtest import memory_summary, one_request, scrape
 
 STOPS = [["\n\n"], [".", "!"], ["```", "def "], ["the "]]

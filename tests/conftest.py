@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -138,3 +140,30 @@ def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, dtype: 
 def assert_reordered():
     """assert_close_reordered, for the tests (import-mode=importlib: no `from conftest import`)."""
     return assert_close_reordered
+
+
+@pytest.fixture
+def one_thread():
+    """Small models run fastest on one thread, and many times faster when other processes share the cores
+    (idle OpenMP threads spin); every result is compared with a baseline computed the same way. Test modules
+    opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def greedy():
+    """greedy(model, tokenizer, prompt, max_new_tokens): the `autoregressive` result, computed once per model
+    and prompt: a shorter request gets the first tokens of a longer run (greedy output is a prefix of itself)."""
+    results = {}
+
+    def run(model, tokenizer, prompt, max_new_tokens):
+        key = (id(model), repr(prompt))
+        known = results.get(key)
+        if known is None or (len(known.token_ids) < max_new_tokens and known.finish_reason == "length"):
+            known = results[key] = accelgen.generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+        return dataclasses.replace(known, token_ids=known.token_ids[:max_new_tokens])
+
+    return run

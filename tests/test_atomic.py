@@ -22,7 +22,8 @@ from accelgen.atomic import (CorruptFileError, load_tensors, load_torch, save_pr
 from accelgen.drafters.rest import Datastore, RestDrafter, write_datastore
 from accelgen.train.eagle import FEATURES, cached_features, collect_features
 from accelgen.train.layerskip import TRAINER_FILE, LayerSkipConfig, train_layerskip
-from accelgen.train.medusa import CHECKPOINT, MedusaConfig, MedusaHeads, train_medusa
+from accelgen.heads.medusa import MedusaHeads
+from accelgen.train.medusa import CHECKPOINT, MedusaConfig, train_medusa
 
 # --- the helper ----------------------------------------------------------------------------------------------
 

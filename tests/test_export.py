@@ -19,9 +19,10 @@ from typer.testing import CliRunner
 
 from accelgen import export
 from accelgen.cli import app
-from accelgen.train.eagle import EagleHead, new_head, whole_windows
-from accelgen.train.heads import DraftLMHead
-from accelgen.train.medusa import MedusaHeads
+from accelgen.heads.eagle import EagleHead, new_head
+from accelgen.heads.lm_head import DraftLMHead
+from accelgen.heads.medusa import MedusaHeads
+from accelgen.train.eagle import whole_windows
 
 # --- what the loaders expect (transcribed) --------------------------------------------------------------------
 

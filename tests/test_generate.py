@@ -2,6 +2,7 @@
 
 import copy
 import importlib
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 import accelgen
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.prompts import encode_prompt, eos_token_ids
-from accelgen.registry import MethodSpec
+from accelgen.drafters.base import Drafter
+from accelgen.registry import MethodOptions, MethodSpec, Part
 from accelgen.sampling import logits_to_probs
 
 PROMPT = [5, 17, 923, 4410, 77, 12]
@@ -29,18 +31,20 @@ def tiny_greedy(tiny_target):
 @pytest.fixture
 def oracle_method(monkeypatch):
     """Registers `oracle-tree`, a hand-built tree drafter that knows the greedy continuation (test only)."""
-    from accelgen import registry
+    def make(build, options):
+        return OracleTreeDrafter(options.continuation, options.prompt_length)
 
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
-
-    def make(target_model, *, continuation, prompt_length, **_):
-        return OracleTreeDrafter(continuation, prompt_length)
-
-    registry.register(MethodSpec("oracle-tree", "test", "greedy-exact", "-", "test drafter", make,
-                                 options={"continuation": [], "prompt_length": 0}))
+    spec = MethodSpec("oracle-tree", "test", "greedy-exact", "-", "test drafter", Part(make, OracleOptions))
+    monkeypatch.setitem(accelgen.registry._METHODS, spec.name, spec)  # removed again after the test
 
 
-class OracleTreeDrafter:
+@dataclass(frozen=True)
+class OracleOptions(MethodOptions):
+    continuation: list = field(default_factory=list)
+    prompt_length: int = 0
+
+
+class OracleTreeDrafter(Drafter):
     """Drafts a tree whose correct branch is not the first child, so the commit must gather-compact the cache:
 
         root ─ wrong(0) ─ right+1(1)

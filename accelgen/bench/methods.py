@@ -17,19 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-import accelgen
 from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
 from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
 from accelgen.bench.llamacpp import LlamaCppPeers
 from accelgen.bench.records import generation_record
 from accelgen.prompts import eos_token_ids
 from accelgen.models.loading import check_weights
-from accelgen.registry import merge_options, parse_method_option
+from accelgen.method_options import base_method, parse_variant
+from accelgen.generate import generate
+from accelgen.registry import list_methods, merge_options
 
 BASELINE = "hf-greedy"
-# A variant runs a method with some options set as a row of its own, e.g. to sweep a lossy method's
-# thresholds in one interleaved run: specdec@beta=2+tau=0.5 (values as JSON where they parse).
-VARIANT = "@"
 # Needs every benchmark prompt meets by itself: `llma` copies from reference documents, and with none given
 # the prompt is the reference (as in retrieval-augmented generation, where the documents are in the prompt).
 PROMPT_RESOURCES = {"references"}
@@ -54,7 +52,7 @@ class BenchMethod:
     @property
     def registered_name(self) -> str:
         """The method this row runs: its name without a variant's options."""
-        return self.name.partition(VARIANT)[0]
+        return base_method(self.name)
 
     @property
     def claims_lossless(self) -> bool:
@@ -100,7 +98,7 @@ LLAMACPP_METHODS = {
 def available_methods() -> dict[str, BenchMethod]:
     """HF and llama.cpp peers and every registered accelgen method, by name."""
     methods = {**HF_METHODS, **LLAMACPP_METHODS}
-    for spec in accelgen.list_methods():
+    for spec in list_methods():
         if spec.name in methods:
             raise ValueError(f"accelgen method {spec.name!r} clashes with a benchmark baseline name")
         methods[spec.name] = BenchMethod(spec.name, "accelgen", spec.family, spec.lossless, tuple(spec.needs),
@@ -110,19 +108,12 @@ def available_methods() -> dict[str, BenchMethod]:
 
 def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
     """The method called `name`: a known one, or a variant base@option=value+option=value of one."""
-    base_name, _, assignments = name.partition(VARIANT)
+    base_name = base_method(name)
     if base_name not in methods:
         raise ValueError(f"unknown method {base_name!r}; available: {', '.join(methods)}")
-    if not assignments:
+    _, values = parse_variant(name)
+    if not values:
         return methods[base_name]
-    values = {}
-    for pair in assignments.split("+"):
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"method variant {name!r}: write its options as name=value joined by '+', "
-                             "e.g. specdec@beta=2+tau=0.5")
-        key = key.replace("-", "_")
-        values[key] = parse_method_option(base_name, key, value)
     base = methods[base_name]
     # draft=PATH gives the row a draft model of its own, e.g. to compare a distilled draft with the original;
     # weights=FORMAT and draft_weights=FORMAT load the row's target and draft in formats of their own
@@ -216,7 +207,7 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
     if "references" in method.needs and not options.get("references"):
         options = {**options, "references": [prompt_ids]}  # benchmark prompts carry no documents: see PROMPT_RESOURCES
     started = time.perf_counter()
-    result = accelgen.generate(model, tokenizer, prompt_ids, method=method.registered_name,
+    result = generate(model, tokenizer, prompt_ids, method=method.registered_name,
                                draft_model=draft_model, max_new_tokens=max_new_tokens,  # `auto` may use it
                                temperature=temperature, seed=seed, **options)
     seconds = time.perf_counter() - started

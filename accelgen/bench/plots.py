@@ -13,8 +13,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy.stats import bootstrap  # noqa: E402
 
 from accelgen.atomic import save_figure_atomically
-from accelgen.bench.methods import BASELINE, VARIANT  # noqa: E402
+from accelgen.bench.methods import BASELINE  # noqa: E402
 from accelgen.bench.metrics import OVERALL  # noqa: E402
+from accelgen.method_options import VARIANT  # noqa: E402
 
 
 CONFIDENCE = 0.95  # the speedup plot's whiskers: a bootstrap interval over prompts at this level

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.metadata
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,6 @@ from typing import Callable
 
 import torch
 
-import accelgen
 from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen import hardware
 from accelgen.bench import audit, llamacpp
@@ -29,8 +29,8 @@ from accelgen.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
-from accelgen.models.loading import check_weights
-from accelgen.profile import forward_seconds
+from accelgen.models.loading import check_weights, load_model
+from accelgen.models.timing import forward_seconds
 
 RUN_FILE, RECORDS_FILE, AUDITS_FILE, EXECUTIONS_FILE = "run.json", "records.jsonl", "audits.jsonl", "executions.jsonl"
 WARMUP_TOKENS = 8
@@ -191,11 +191,11 @@ class RowModels:
                 continue
             weights = self.weights_of(method)
             if weights not in self.targets:
-                self.targets[weights] = accelgen.load_model(config.model, dtype=config.dtype, weights=weights,
+                self.targets[weights] = load_model(config.model, dtype=config.dtype, weights=weights,
                                                             threads=config.threads)[0]
             key = self.draft_key(method)
             if key[0] is not None and uses_draft(method) and key not in self.drafts:
-                self.drafts[key] = accelgen.load_model(key[0], dtype=config.draft_dtype, weights=key[1],
+                self.drafts[key] = load_model(key[0], dtype=config.draft_dtype, weights=key[1],
                                                        threads=config.threads)[0]
 
     def weights_of(self, method: BenchMethod) -> str:
@@ -347,7 +347,7 @@ def describe_run(command: str | None, model, draft_model) -> dict:
         "command": command,
         "date": now(),
         "machine": hardware.describe(),
-        "versions": {"accelgen": accelgen.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"accelgen": importlib.metadata.version("accelgen"), "torch": torch.__version__, "transformers": transformers.__version__},
         "dtype": audit.dtype_name(model.dtype),
         "draft_dtype": audit.dtype_name(draft_model.dtype) if draft_model is not None else None,
         "weights": model_format(model),

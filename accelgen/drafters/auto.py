@@ -18,6 +18,7 @@ the result's stats.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from accelgen.atomic import write_json_atomically
 from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, budgeted, draft_cost_ratio, verify_ratios
 from accelgen.models.loading import beside_weights
 from accelgen.profile import interpolate
-from accelgen.registry import MethodSpec, get_method, register
+from accelgen.drafters.base import BuildContext
+from accelgen.registry import MethodOptions, MethodSpec, Part, get_method, register
 from accelgen.theory import best_gamma, predicted_speedup
 
 PREDICTION_MAX_GAMMA = 16  # the longest draft the uncalibrated choice considers
@@ -91,20 +93,27 @@ def uncalibrated_choice(target_model, draft_model) -> dict:
 
 
 class AutoDrafter:
-    """The chosen method's drafter (everything delegated), plus `describe` for the result's stats."""
+    """The chosen method's drafter (everything delegated, its capabilities included: hence no Drafter base class,
+    whose defaults would hide the chosen drafter's own), plus `describe` for the result's stats."""
 
     def __init__(self, inner, choice: dict):
         self.inner = inner
         self.choice = choice
 
-    def __getattr__(self, name):  # propose, update, draft_steps, close: the chosen drafter's own
+    def __getattr__(self, name):  # propose, update, draft_steps, close, capabilities: the chosen drafter's own
         return getattr(self.inner, name)
 
     def describe(self) -> dict:
         return self.choice
 
 
-def _make(target_model, *, draft_model=None, tokenizer=None, sampling, generator, workload):
+@dataclass(frozen=True)
+class AutoOptions(MethodOptions):
+    workload: str = ""  # the calibrated workload whose choice to use ("": the latest calibrated)
+
+
+def _make(build: BuildContext, options: AutoOptions) -> AutoDrafter:
+    target_model, draft_model, workload = build.target_model, build.draft_model, options.workload
     choice = load_choice(target_model, draft_model, workload)
     if choice is None:
         if workload:
@@ -112,11 +121,9 @@ def _make(target_model, *, draft_model=None, tokenizer=None, sampling, generator
                              f"run `accelgen tune auto --dataset {workload}` first")
         choice = uncalibrated_choice(target_model, draft_model)
     spec = get_method(choice["method"])
-    options = spec.check_options(choice["options"])
-    inner = spec.make_drafter(target_model, draft_model=draft_model, tokenizer=tokenizer, sampling=sampling,
-                              generator=generator, **options)
-    if spec.family != "baseline" and getattr(inner, "draft_budget", None) is None:  # not yet capped by the costs
-        inner = budgeted(inner, target_model, draft_model if "draft_model" in spec.needs else None)
+    inner = spec.drafter.make(build, spec.drafter.options.take(spec.check_options(choice["options"])))
+    if spec.family != "baseline" and inner.draft_budget is None:  # not yet capped by the costs
+        inner = budgeted(inner, target_model, draft_model if spec.needs_draft_model else None)
     return AutoDrafter(inner, {"method": spec.name, "options": choice["options"], "reason": choice["reason"]})
 
 
@@ -129,7 +136,6 @@ register(
         summary="the method and γ/tree options a short calibration (`accelgen tune auto`) found fastest for this "
                 "model pair and workload; uncalibrated: what the costs measured on this machine predict fastest "
                 "(cost-adaptive speculation, prompt lookup or plain decoding)",
-        make_drafter=_make,
-        options={"workload": ""},
+        drafter=Part(_make, AutoOptions),
     )
 )

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import Draft, Verdict
-from accelgen.registry import MethodSpec, register
+from accelgen.draft import Draft
+from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.registry import MethodSpec, NoOptions, Part, register
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         return Draft.empty()
 
-    def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
-        pass
 
-
-def no_drafter(target_model, **_) -> NoDrafter:
-    """make_drafter of methods that draft nothing (autoregressive, early exit)."""
+def no_drafter(build: BuildContext, options: NoOptions) -> NoDrafter:
+    """The drafter of methods that draft nothing (autoregressive, early exit)."""
     return NoDrafter()
 
 
@@ -28,6 +26,6 @@ register(
         lossless="distribution-exact",
         paper="-",
         summary="accelgen's own token-by-token loop with a KV cache; the reference every method is checked against",
-        make_drafter=no_drafter,
+        drafter=Part(no_drafter),
     )
 )

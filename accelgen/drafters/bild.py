@@ -10,15 +10,19 @@ Greedy decoding only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import Draft
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
+from accelgen.sampling import SamplingConfig
 from accelgen.verify import verify_bild
 
 
-class FallbackDrafter:
+class FallbackDrafter(Drafter):
     """Greedy drafts that end where the draft model's confidence (its top probability) first drops below
     fallback_threshold, that token excluded, or after max_draft tokens."""
 
@@ -38,27 +42,39 @@ class FallbackDrafter:
         self.drafter.update(draft, verdict, target_logits)
 
 
-def _check(fallback_threshold, rollback_threshold, max_draft) -> None:
-    if isinstance(fallback_threshold, bool) or not isinstance(fallback_threshold, (int, float)) \
-            or not 0 <= fallback_threshold <= 1:
-        raise ValueError(f"bild: fallback_threshold (a probability) must be in [0, 1], got {fallback_threshold!r}")
-    if isinstance(rollback_threshold, bool) or not isinstance(rollback_threshold, (int, float)) \
-            or not rollback_threshold >= 0:
-        raise ValueError(f"bild: rollback_threshold (a cross-entropy) must be a number >= 0, got {rollback_threshold!r}")
-    if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
-        raise ValueError(f"bild: max_draft must be an integer >= 1, got {max_draft!r}")
+@dataclass(frozen=True)
+class FallbackOptions(MethodOptions):
+    fallback_threshold: float = 0.5  # the small model hands over below this top probability ...
+    max_draft: int = 8  # ... or after this many tokens
+
+    def __post_init__(self):
+        if isinstance(self.fallback_threshold, bool) or not isinstance(self.fallback_threshold, (int, float)) \
+                or not 0 <= self.fallback_threshold <= 1:
+            raise ValueError(f"bild: fallback_threshold (a probability) must be in [0, 1], got "
+                             f"{self.fallback_threshold!r}")
+        if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or self.max_draft < 1:
+            raise ValueError(f"bild: max_draft must be an integer >= 1, got {self.max_draft!r}")
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, fallback_threshold, rollback_threshold,
-          max_draft):
-    _check(fallback_threshold, rollback_threshold, max_draft)
-    check_vocabularies(target_model, draft_model)
-    return FallbackDrafter(draft_model, sampling, generator, fallback_threshold=fallback_threshold, max_draft=max_draft)
+@dataclass(frozen=True)
+class RollbackOptions(MethodOptions):
+    rollback_threshold: float = 2.0  # the large model rolls back from a token whose cross-entropy exceeds this
+
+    def __post_init__(self):
+        if isinstance(self.rollback_threshold, bool) or not isinstance(self.rollback_threshold, (int, float)) \
+                or not self.rollback_threshold >= 0:
+            raise ValueError(f"bild: rollback_threshold (a cross-entropy) must be a number >= 0, got "
+                             f"{self.rollback_threshold!r}")
 
 
-def _make_verifier(sampling, *, fallback_threshold, rollback_threshold, max_draft):
-    _check(fallback_threshold, rollback_threshold, max_draft)
-    return lambda draft, target_logits, generator: verify_bild(draft, target_logits, rollback_threshold)
+def _make(build: BuildContext, options: FallbackOptions) -> FallbackDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    return FallbackDrafter(build.draft_model, build.sampling, build.generator,
+                           fallback_threshold=options.fallback_threshold, max_draft=options.max_draft)
+
+
+def _make_verifier(sampling: SamplingConfig, options: RollbackOptions):
+    return lambda draft, target_logits, generator: verify_bild(draft, target_logits, options.rollback_threshold)
 
 
 register(
@@ -69,10 +85,9 @@ register(
         paper="Kim et al. 2023, arXiv:2302.07863",
         summary="the small model drafts until its confidence drops below fallback_threshold; the large model rolls "
                 "back tokens whose cross-entropy exceeds rollback_threshold (0: greedy)",
-        make_drafter=_make,
+        drafter=Part(_make, FallbackOptions),
         needs=("draft_model",),
-        options={"fallback_threshold": 0.5, "rollback_threshold": 2.0, "max_draft": 8},
-        make_verifier=_make_verifier,
+        verifier=Part(_make_verifier, RollbackOptions),
         greedy_only=True,
     )
 )

@@ -8,19 +8,14 @@ at least as many tokens on average as token-wise verification. At temperature 0 
 
 from __future__ import annotations
 
-from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
+from accelgen.drafters.draft_model import GammaOptions, make_gamma_drafter
 from accelgen.verify import default_verifier
-from accelgen.registry import MethodSpec, register
-from accelgen.sampling import logits_to_probs
+from accelgen.registry import MethodSpec, NoOptions, Part, register
+from accelgen.sampling import SamplingConfig, logits_to_probs
 from accelgen.verify import verify_block
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, gamma):
-    check_vocabularies(target_model, draft_model)
-    return DraftModelDrafter(draft_model, sampling, generator, gamma=gamma)
-
-
-def _make_verifier(sampling, **_options):
+def _make_verifier(sampling: SamplingConfig, options: NoOptions):
     if sampling.greedy:  # one-hot target: block verification is exactly the longest matching prefix
         return default_verifier(sampling)
     return lambda draft, target_logits, generator: verify_block(draft, logits_to_probs(target_logits, sampling), generator)
@@ -34,9 +29,8 @@ register(
         paper="Sun et al. 2024, arXiv:2403.10444",
         summary="draft-model speculative decoding whose gamma-token draft is verified jointly as a block: exact, "
                 "and never fewer accepted tokens on average than token-wise verification",
-        make_drafter=_make,
+        drafter=Part(make_gamma_drafter, GammaOptions),
         needs=("draft_model",),
-        options={"gamma": 5},
-        make_verifier=_make_verifier,
+        verifier=Part(_make_verifier),
     )
 )

@@ -18,16 +18,19 @@ speculative sampling keeps the target distribution exactly (as in the paper's co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import Draft
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
 
-class CascadeDrafter:
+class CascadeDrafter(Drafter):
     def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, gamma: int = 3,
                  tail_tokens: int = 3, stage_two_tokens: int = 4, max_ngram: int = 3):
         if gamma < 1:
@@ -63,9 +66,17 @@ def one_hot_rows(tokens: list[int], vocab_size: int) -> torch.Tensor:
     return rows
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
-    check_vocabularies(target_model, draft_model)
-    return CascadeDrafter(draft_model, sampling, generator, **options)
+@dataclass(frozen=True)
+class CascadeOptions(MethodOptions):
+    gamma: int = 3  # tokens the draft model drafts (itself drafted for by the n-gram/bigram model)
+    tail_tokens: int = 3  # tokens the n-gram/bigram model drafts after them
+    stage_two_tokens: int = 4  # the second stage's draft length, per draft-model step
+    max_ngram: int = 3  # the second stage's longest n-gram
+
+
+def _make(build: BuildContext, options: CascadeOptions) -> CascadeDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    return CascadeDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
 
 
 register(
@@ -76,8 +87,7 @@ register(
         paper="Chen et al. 2023, arXiv:2312.11462",
         summary="vertical cascade: an n-gram/bigram model drafts for the draft model; horizontal cascade: the "
                 "draft model drafts the first positions, the n-gram/bigram model the later ones",
-        make_drafter=_make,
+        drafter=Part(_make, CascadeOptions),
         needs=("draft_model",),
-        options={"gamma": 3, "tail_tokens": 3, "stage_two_tokens": 4, "max_ngram": 3},
     )
 )

@@ -9,19 +9,33 @@ expert's best). alpha = 0 is exactly greedy decoding. Greedy decoding only.
 
 from __future__ import annotations
 
-from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
-from accelgen.registry import MethodSpec, register
+from dataclasses import dataclass
+
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.draft_model import DraftModelDrafter, GammaOptions, check_vocabularies
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
+from accelgen.sampling import SamplingConfig
 from accelgen.verify import check_contrastive_options, verify_contrastive
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, gamma, alpha, beta):
-    check_vocabularies(target_model, draft_model)
-    return DraftModelDrafter(draft_model, sampling, generator, gamma=gamma, greedy_draft_probs=True)
+@dataclass(frozen=True)
+class ContrastiveOptions(MethodOptions):
+    alpha: float = 0.5  # the amateur's weight
+    beta: float = 0.1  # plausibility cut-off: tokens the expert gives at least beta times its top probability
+
+    def __post_init__(self):
+        check_contrastive_options(self.alpha, self.beta)
 
 
-def _make_verifier(sampling, *, gamma, alpha, beta):
-    check_contrastive_options(alpha, beta)
-    return lambda draft, target_logits, generator: verify_contrastive(draft, target_logits, alpha, beta)
+def _make(build: BuildContext, options: GammaOptions) -> DraftModelDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    return DraftModelDrafter(build.draft_model, build.sampling, build.generator, gamma=options.gamma,
+                             greedy_draft_probs=True)
+
+
+def _make_verifier(sampling: SamplingConfig, options: ContrastiveOptions):
+    return lambda draft, target_logits, generator: verify_contrastive(draft, target_logits, options.alpha,
+                                                                      options.beta)
 
 
 register(
@@ -32,10 +46,9 @@ register(
         paper="Yuan et al. 2023, arXiv:2311.08981",
         summary="the draft model (amateur) drafts; tokens are accepted while they are the argmax of the contrastive "
                 "score expert logits - alpha * amateur log-probs over plausible tokens (alpha=0: greedy)",
-        make_drafter=_make,
+        drafter=Part(_make, GammaOptions),
         needs=("draft_model",),
-        options={"gamma": 5, "alpha": 0.5, "beta": 0.1},
-        make_verifier=_make_verifier,
+        verifier=Part(_make_verifier, ContrastiveOptions),
         greedy_only=True,
     )
 )

@@ -9,14 +9,26 @@ its fingerprint (a hash of the target's first embedding rows) must match the tar
 
 from __future__ import annotations
 
+import hashlib
 import json
 
-from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, scheduled
-from accelgen.models.loading import beside_weights
-from accelgen.registry import MethodSpec, register
-from accelgen.train.distill import DISTILLSPEC_FILE, model_fingerprint
+import torch
 
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, check_vocabularies, scheduled
+from accelgen.models.loading import beside_weights
+from accelgen.registry import MethodSpec, Part, register
+
+DISTILLSPEC_FILE = "distillspec.json"  # beside a distilled draft's weights: what it was distilled for
+FINGERPRINT_ROWS = 64  # embedding rows hashed to recognise a model
 HOW_TO_DISTILL = "accelgen train distillspec --model TARGET --draft DRAFT --out FOLDER"
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of the model's first embedding rows, rounded to bfloat16 so that the same weights loaded in
+    float32 or bfloat16 give the same fingerprint."""
+    rows = model.get_input_embeddings().weight[:FINGERPRINT_ROWS].detach().to(torch.bfloat16).cpu()
+    return hashlib.sha1(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
 
 
 def check_distilled(target_model, draft_model) -> dict:
@@ -33,10 +45,11 @@ def check_distilled(target_model, draft_model) -> dict:
     return info
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
-    check_vocabularies(target_model, draft_model)
-    check_distilled(target_model, draft_model)
-    return scheduled(DraftModelDrafter(draft_model, sampling, generator, **options), target_model, draft_model)
+def _make(build: BuildContext, options: DraftingOptions):
+    check_vocabularies(build.target_model, build.draft_model)
+    check_distilled(build.target_model, build.draft_model)
+    drafter = DraftModelDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
+    return scheduled(drafter, build.target_model, build.draft_model)
 
 
 register(
@@ -47,8 +60,7 @@ register(
         paper="Zhou et al. 2023, arXiv:2310.08461",
         summary="speculative decoding with a draft distilled on its own generations toward this target "
                 "(`accelgen train distillspec`)",
-        make_drafter=_make,
+        drafter=Part(_make, DraftingOptions),
         needs=("draft_model",),
-        options=dict(DRAFTING_OPTIONS),
     )
 )

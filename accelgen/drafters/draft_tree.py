@@ -38,7 +38,8 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import ROOT, Draft
-from accelgen.drafters.draft_model import catch_up
+from accelgen.drafters.base import Drafter
+from accelgen.drafters.draft_decoding import catch_up
 from accelgen.models.runner import ModelRunner
 from accelgen.sampling import SamplingConfig, gumbel_choice, logits_to_probs, sample
 
@@ -63,7 +64,7 @@ class DraftModelScorer:
         """(vocab,) the draft's logits after the whole context."""
         self.runner.keep(len(self.cached_tokens), [])  # drop the last proposal's tree
         logits = catch_up(self.runner, self.cached_tokens, context)
-        self.cached_tokens, self.cached_nodes = list(context), []
+        self.cached_nodes = []
         return logits
 
     def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
@@ -101,7 +102,7 @@ def with_ancestors(parents: list[int], nodes: list[int]) -> tuple[list[int], tor
     return kept, torch.tensor([position.get(parents[node], ROOT) for node in kept], dtype=torch.long)
 
 
-class DraftTreeDrafter:
+class DraftTreeDrafter(Drafter):
     def __init__(self, scorer, sampling: SamplingConfig, generator: torch.Generator | None, *,
                  branching: list[int] | None = None, paths: list[list[int]] | None = None, width: int = 0,
                  depth: int = 0, max_nodes: int = 0, replacement: bool = True):
@@ -169,11 +170,6 @@ class DraftTreeDrafter:
         draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
                       None if self.sampling.greedy else torch.stack(rows))
         return _most_probable(draft, log_probs, max_nodes) if rerank else draft
-
-    def attach(self, target: ModelRunner) -> None:
-        attach = getattr(self.scorer, "attach", None)  # a scorer that reads the target's hidden states (EAGLE)
-        if attach is not None:
-            attach(target)
 
     def update(self, draft, verdict, target_logits) -> None:
         pass  # the next proposal rolls the draft cache back to the committed context

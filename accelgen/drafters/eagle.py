@@ -25,15 +25,18 @@ target's distribution exactly (tested).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen import cache as kv
 from accelgen.draft import ROOT, tree_attention
+from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
+from accelgen.heads.eagle import EagleHead
+from accelgen.heads.lm_head import DraftLMHead
 from accelgen.models.runner import ModelRunner, additive_mask
-from accelgen.registry import MethodSpec, register
-from accelgen.train.eagle import EagleHead
-from accelgen.train.heads import DraftLMHead
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 class EagleScorer:
@@ -94,14 +97,25 @@ class EagleScorer:
         return self.head(embeds, features[None], positions, mask, self.cache)[0]
 
 
-def _make_eagle(target_model, *, sampling, generator, heads, width, depth, max_nodes, paths, **_):
-    if not heads:
+@dataclass(frozen=True)
+class EagleOptions(MethodOptions):
+    heads: str | None = None  # the trained head's folder
+    width: int = 8  # the dynamic tree: nodes expanded per level ...
+    depth: int = 5  # ... levels ...
+    max_nodes: int = 32  # ... and the best nodes kept
+    paths: list[list[int]] | None = None  # a static tree instead: its paths
+
+
+def _make_eagle(build: BuildContext, options: EagleOptions) -> DraftTreeDrafter:
+    if not options.heads:
         raise ValueError("eagle needs a trained EAGLE head: heads=FOLDER "
                          "(from `accelgen train eagle --model M --out FOLDER`)")
-    scorer = EagleScorer(target_model, EagleHead.load(heads, target_model))
-    if paths:
-        return DraftTreeDrafter(scorer, sampling, generator, paths=paths)
-    return DraftTreeDrafter(scorer, sampling, generator, width=width, depth=depth, max_nodes=max_nodes)
+    scorer = EagleScorer(build.target_model, EagleHead.load(options.heads, build.target_model))
+    scorer.attach(build.target)  # it reads the target's features
+    if options.paths:
+        return DraftTreeDrafter(scorer, build.sampling, build.generator, paths=options.paths)
+    return DraftTreeDrafter(scorer, build.sampling, build.generator, width=options.width, depth=options.depth,
+                            max_nodes=options.max_nodes)
 
 
 register(
@@ -112,8 +126,7 @@ register(
         paper="Li et al. 2024, arXiv:2401.15077 (EAGLE); arXiv:2406.16858 (EAGLE-2)",
         summary="a one-layer head autoregresses on the target's own features and drafts through its LM head; "
                 "EAGLE-2's dynamic tree (width x depth, best max_nodes kept) verified in one forward",
-        make_drafter=_make_eagle,
+        drafter=Part(_make_eagle, EagleOptions),
         needs=("heads",),
-        options={"heads": None, "width": 8, "depth": 5, "max_nodes": 32, "paths": None},
     )
 )

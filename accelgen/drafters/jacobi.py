@@ -17,10 +17,13 @@ masses and the method is exact for sampling too (the guesses are greedy, so they
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import Draft, Verdict
-from accelgen.registry import MethodSpec, register
+from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 def next_guess(target_logits: torch.Tensor, accepted: int) -> list[int]:
@@ -34,7 +37,7 @@ def next_guess(target_logits: torch.Tensor, accepted: int) -> list[int]:
     return target_logits[accepted + 1 :].argmax(dim=-1).tolist()
 
 
-class JacobiDrafter:
+class JacobiDrafter(Drafter):
     def __init__(self, block_size: int = 8):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -52,8 +55,13 @@ class JacobiDrafter:
         self.guess = next_guess(target_logits, len(verdict.accepted))
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, **options):
-    return JacobiDrafter(**options)
+@dataclass(frozen=True)
+class JacobiOptions(MethodOptions):
+    block_size: int = 8  # guesses iterated per step
+
+
+def _make(build: BuildContext, options: JacobiOptions) -> JacobiDrafter:
+    return JacobiDrafter(options.block_size)
 
 
 register(
@@ -63,7 +71,6 @@ register(
         lossless="distribution-exact",
         paper="Santilli et al. 2023, arXiv:2305.10427",
         summary="parallel fixed-point (Jacobi) iteration over a block of guesses; each step keeps the converged prefix",
-        make_drafter=_make,
-        options={"block_size": 8},
+        drafter=Part(_make, JacobiOptions),
     )
 )

@@ -11,17 +11,12 @@ less often, and the benchmark shows it.
 
 from __future__ import annotations
 
-from accelgen.costs import SELF_DRAFT_COST
-from accelgen.drafters.draft_model import DraftModelDrafter, scheduled
+from dataclasses import dataclass
+
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.draft_model import SelfDraftingOptions, make_self_drafter
 from accelgen.models.exit_draft import ExitDraftRunner
-from accelgen.registry import MethodSpec, register
-
-
-class LayerSkipDrafter(DraftModelDrafter):
-    """Draft-model drafting whose draft model is the target runner's own first layers (set by `attach`)."""
-
-    def attach(self, target: ExitDraftRunner) -> None:
-        self.runner = target.draft
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 def exit_layer_of(model, exit_layer: int | None) -> int:
@@ -32,13 +27,18 @@ def exit_layer_of(model, exit_layer: int | None) -> int:
     return exit_layer
 
 
-def _make_runner(model, *, exit_layer, **_):
-    return ExitDraftRunner(model, exit_layer_of(model, exit_layer))
+@dataclass(frozen=True)
+class ExitLayerOptions(MethodOptions):
+    exit_layer: int | None = None  # the draft's exit (None: the middle layer)
 
 
-def _make(target_model, *, sampling, generator, gamma, gamma_schedule, max_gamma, **_):
-    drafter = LayerSkipDrafter(None, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
-    return scheduled(drafter, target_model, cost_ratio=SELF_DRAFT_COST)
+def _make_runner(model, options: ExitLayerOptions) -> ExitDraftRunner:
+    return ExitDraftRunner(model, exit_layer_of(model, options.exit_layer))
+
+
+def _make(build: BuildContext, options: SelfDraftingOptions):
+    """Draft-model drafting whose draft model is the target runner's own first layers."""
+    return make_self_drafter(build.target.draft, build, options)
 
 
 register(
@@ -49,8 +49,7 @@ register(
         paper="Elhoushi et al. 2024, arXiv:2404.16710",
         summary="the target drafts with its first layers and an early exit through its own LM head, then "
                 "verifies with the remaining layers, reusing the draft's cache",
-        make_drafter=_make,
-        make_runner=_make_runner,
-        options={"exit_layer": None, "gamma": 4, "gamma_schedule": "constant", "max_gamma": 32},
+        drafter=Part(_make, SelfDraftingOptions),
+        runner=Part(_make_runner, ExitLayerOptions),
     )
 )

@@ -11,12 +11,15 @@ References are texts (tokenized with the target's tokenizer) or token-id lists. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from accelgen.draft import Draft, Verdict
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import draft_from_candidates
 from accelgen.drafters.prompt_lookup import NGramIndex
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 DOCUMENT_BREAK = -1  # between references in the index: no n-gram of real tokens matches across it
 MAX_OCCURRENCES_PER_NGRAM = 16  # matches examined per n-gram size: bounds the work per step
@@ -62,7 +65,7 @@ def span_after(tokens: list[int], start: int, length: int) -> list[int]:
     return span
 
 
-class ReferenceDrafter:
+class ReferenceDrafter(Drafter):
     def __init__(self, references: list[list[int]], min_match: int = 1, max_match: int = 4, copy_length: int = 16,
                  branches: int = 1):
         if not 1 <= min_match <= max_match:
@@ -98,8 +101,18 @@ class ReferenceDrafter:
         pass
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, references=(), **options):
-    return ReferenceDrafter(reference_token_ids(references, tokenizer), **options)
+@dataclass(frozen=True)
+class ReferenceOptions(MethodOptions):
+    references: list = field(default_factory=list)  # documents: texts, or token-id lists
+    min_match: int = 1  # the shortest context suffix matched in them ...
+    max_match: int = 4  # ... and the longest
+    copy_length: int = 16  # tokens copied after a match
+    branches: int = 1  # matches drafted together, as a tree
+
+
+def _make(build: BuildContext, options: ReferenceOptions) -> ReferenceDrafter:
+    references = reference_token_ids(options.references, build.tokenizer)
+    return ReferenceDrafter(**{**options.as_dict(), "references": references})
 
 
 register(
@@ -109,8 +122,7 @@ register(
         lossless="distribution-exact",
         paper="Yang et al. 2023, arXiv:2304.04487",
         summary="copies spans of user-supplied reference documents (RAG, cached answers) that the output overlaps",
-        make_drafter=_make,
+        drafter=Part(_make, ReferenceOptions),
         needs=("references",),
-        options={"references": [], "min_match": 1, "max_match": 4, "copy_length": 16, "branches": 1},
     )
 )

@@ -32,12 +32,15 @@ cap, as in the paper.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import draft_from_candidates
 from accelgen.costs import sized_by_costs
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 class NGramPool:
@@ -87,7 +90,7 @@ def spread(tokens: list[int], count: int) -> list[int]:
     return [tokens[i * len(tokens) // count] for i in range(count)]
 
 
-class LookaheadDecodingDrafter:
+class LookaheadDecodingDrafter(Drafter):
     def __init__(self, window_size: int = 3, ngram_size: int = 3, guess_set_size: int = 2, max_nodes: int | None = None):
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
@@ -146,10 +149,18 @@ class LookaheadDecodingDrafter:
         self.levels = self.levels[1:] + [guesses]
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, max_nodes, **options):
-    window_nodes = options["window_size"] * (options["ngram_size"] - 1)  # verified every step, drafted to be guesses
-    return sized_by_costs(lambda nodes: LookaheadDecodingDrafter(**options, max_nodes=nodes), max_nodes, target_model,
-                          fixed_nodes=window_nodes)
+@dataclass(frozen=True)
+class LookaheadDecodingOptions(MethodOptions):
+    window_size: int = 3  # W: Jacobi columns
+    ngram_size: int = 3  # N: the window has N - 1 levels
+    guess_set_size: int = 2  # pooled n-grams verified per step
+    max_nodes: int | str | None = "auto"  # a cap on the tree; "auto": sized each step by the measured costs
+
+
+def _make(build: BuildContext, options: LookaheadDecodingOptions):
+    window_nodes = options.window_size * (options.ngram_size - 1)  # verified every step, drafted to be guesses
+    return sized_by_costs(lambda nodes: LookaheadDecodingDrafter(**{**options.as_dict(), "max_nodes": nodes}),
+                          options.max_nodes, build.target_model, fixed_nodes=window_nodes)
 
 
 register(
@@ -159,7 +170,6 @@ register(
         lossless="distribution-exact",
         paper="Fu et al. 2024, arXiv:2402.02057",
         summary="2-D Jacobi window (W columns, N-1 levels) feeds an n-gram pool; pooled n-grams are verified as a tree",
-        make_drafter=_make,
-        options={"window_size": 3, "ngram_size": 3, "guess_set_size": 2, "max_nodes": "auto"},
+        drafter=Part(_make, LookaheadDecodingOptions),
     )
 )

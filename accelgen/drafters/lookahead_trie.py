@@ -28,12 +28,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.costs import sized_by_costs
-from accelgen.registry import MethodSpec, register
+from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 class TrieNode:
@@ -217,7 +219,7 @@ def best_branches(start: TrieNode, request: int | None, max_nodes: int, max_dept
     return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
-class TrieLookaheadDrafter:
+class TrieLookaheadDrafter(Drafter):
     def __init__(self, trie: LookaheadTrie | None, vocab_size: int, max_nodes: int = 8, branch_length: int = 8,
                  max_prefix: int = 4, prompt_boost: float = 1e4):
         for name, value in (("max_nodes", max_nodes), ("branch_length", branch_length), ("max_prefix", max_prefix)):
@@ -266,11 +268,20 @@ class TrieLookaheadDrafter:
             self._close()
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, trie=None, max_nodes,
-          **options):
-    vocab_size = target_model.config.vocab_size
-    return sized_by_costs(lambda nodes: TrieLookaheadDrafter(trie, vocab_size, **options, max_nodes=nodes), max_nodes,
-                          target_model)
+@dataclass(frozen=True)
+class TrieLookaheadOptions(MethodOptions):
+    trie: object = None  # a LookaheadTrie shared across requests (None: one of its own)
+    max_nodes: int | str = "auto"  # tree nodes per draft; "auto": sized each step by the measured costs
+    branch_length: int = 8  # the longest branch
+    max_prefix: int = 4  # the longest context suffix looked up
+    prompt_boost: float = 1e4  # weight of the prompt's own n-grams over other requests'
+
+
+def _make(build: BuildContext, options: TrieLookaheadOptions):
+    vocab_size = build.target_model.config.vocab_size
+    settings = {name: value for name, value in options.as_dict().items() if name not in ("trie", "max_nodes")}
+    return sized_by_costs(lambda nodes: TrieLookaheadDrafter(options.trie, vocab_size, **settings, max_nodes=nodes),
+                          options.max_nodes, build.target_model)
 
 
 register(
@@ -280,7 +291,6 @@ register(
         lossless="distribution-exact",
         paper="Zhao et al. 2023, arXiv:2312.12728",
         summary="multi-branch drafts from a trie of prompt and output n-grams, shared across requests via trie=",
-        make_drafter=_make,
-        options={"trie": None, "max_nodes": "auto", "branch_length": 8, "max_prefix": 4, "prompt_boost": 1e4},
+        drafter=Part(_make, TrieLookaheadOptions),
     )
 )

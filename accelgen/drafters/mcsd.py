@@ -10,22 +10,36 @@ top-k tokens and keeps the longest path the target agrees with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.verify import default_verifier
-from accelgen.registry import MethodSpec, register
-from accelgen.sampling import logits_to_probs
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
+from accelgen.sampling import SamplingConfig, logits_to_probs
 from accelgen.verify import verify_without_replacement
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, branching, replacement):
-    check_vocabularies(target_model, draft_model)
-    return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator, branching=branching,
-                            replacement=replacement)
+@dataclass(frozen=True)
+class ReplacementOptions(MethodOptions):
+    replacement: bool = False  # candidates drawn with replacement (i.i.d.), or without
 
 
-def _make_verifier(sampling, *, replacement, **_options):
-    if sampling.greedy or replacement:
+@dataclass(frozen=True)
+class McsdOptions(MethodOptions):
+    branching: list[int] = field(default_factory=lambda: [4, 2, 1, 1])  # candidates per node by depth
+    replacement: bool = False  # (the verifier's too)
+
+
+def _make(build: BuildContext, options: McsdOptions) -> DraftTreeDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    return DraftTreeDrafter(DraftModelScorer(build.draft_model), build.sampling, build.generator,
+                            branching=options.branching, replacement=options.replacement)
+
+
+def _make_verifier(sampling: SamplingConfig, options: ReplacementOptions):
+    if sampling.greedy or options.replacement:
         return default_verifier(sampling)
     return lambda draft, target_logits, generator: verify_without_replacement(
         draft, logits_to_probs(target_logits, sampling), generator)
@@ -39,9 +53,8 @@ register(
         paper="Yang et al. 2024, arXiv:2401.06706",
         summary="the draft model samples several candidates per position (with or without replacement), sharing "
                 "prefixes in a token tree; verified with the multi-candidate rule",
-        make_drafter=_make,
+        drafter=Part(_make, McsdOptions),
         needs=("draft_model",),
-        options={"branching": [4, 2, 1, 1], "replacement": False},
-        make_verifier=_make_verifier,
+        verifier=Part(_make_verifier, ReplacementOptions),
     )
 )

@@ -23,13 +23,17 @@ sequence drafting with them therefore takes a forward of its own in the server r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import depths
+from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.heads.medusa import MedusaHeads
 from accelgen.models.runner import ModelRunner
-from accelgen.registry import MethodSpec, register
-from accelgen.train.medusa import MedusaHeads
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
+from accelgen.sampling import SamplingConfig
 from accelgen.verify.typical import check_typical_options, verify_typical
 
 # a small default tree for 4 heads (Medusa's choices are of this form): 3 first tokens, then fewer deeper;
@@ -75,15 +79,46 @@ def load(target_model, heads) -> MedusaHeads:
     return MedusaHeads.load(heads, target_model)
 
 
-def _make_medusa(target_model, *, sampling, generator, heads, paths, width, depth, max_nodes, **_):
-    medusa = load(target_model, heads)
-    scorer = MedusaScorer(target_model, medusa)
-    if width:  # dynamic
+@dataclass(frozen=True)
+class HeadsOptions(MethodOptions):
+    heads: str | None = None  # the trained heads' folder
+
+
+@dataclass(frozen=True)
+class MedusaOptions(HeadsOptions):
+    paths: list[list[int]] | None = None  # static tree: its paths (None: DEFAULT_PATHS, as deep as the heads go)
+    width: int = 0  # > 0: a dynamic tree instead, this wide ...
+    depth: int = 0  # ... this deep (0: as deep as the heads go) ...
+    max_nodes: int = 0  # ... with at most this many nodes (0: 32)
+
+
+@dataclass(frozen=True)
+class TypicalOptions(MethodOptions):
+    epsilon: float = 0.09  # a drafted token passes above min(epsilon, delta·exp(-entropy))
+    delta: float = 0.3
+
+    def __post_init__(self):
+        check_typical_options(self.epsilon, self.delta)
+
+
+def scorer_of(build: BuildContext, heads: MedusaHeads) -> MedusaScorer:
+    """The heads' scorer, reading the features of the target's runner."""
+    scorer = MedusaScorer(build.target_model, heads)
+    scorer.attach(build.target)
+    return scorer
+
+
+def _make_medusa(build: BuildContext, options: MedusaOptions) -> DraftTreeDrafter:
+    medusa = load(build.target_model, options.heads)
+    scorer = scorer_of(build, medusa)
+    sampling, generator, depth = build.sampling, build.generator, options.depth
+    if options.width:  # dynamic
         if depth > len(medusa):
             raise ValueError(f"depth {depth} is deeper than the {len(medusa)} tokens the heads guess ahead")
-        return DraftTreeDrafter(scorer, sampling, generator, width=width, depth=depth or len(medusa),
-                                max_nodes=max_nodes or 32)
-    paths = paths or [path for path in DEFAULT_PATHS if len(path) <= len(medusa)]  # the default, as deep as the heads go
+        return DraftTreeDrafter(scorer, sampling, generator, width=options.width, depth=depth or len(medusa),
+                                max_nodes=options.max_nodes or 32)
+    # the default, as deep as the heads go
+    paths = options.paths or [path for path in DEFAULT_PATHS if len(path) <= len(medusa)]
     drafter = DraftTreeDrafter(scorer, sampling, generator, paths=paths)
     deepest = max(map(len, drafter.shape)) + 1
     if deepest > len(medusa):
@@ -91,9 +126,9 @@ def _make_medusa(target_model, *, sampling, generator, heads, paths, width, dept
     return drafter
 
 
-def _make_blockwise(target_model, *, sampling, generator, heads, **_):
-    medusa = load(target_model, heads)  # the chain of each head's top-1 (or draw, when sampling)
-    return DraftTreeDrafter(MedusaScorer(target_model, medusa), sampling, generator, branching=[1] * len(medusa))
+def _make_blockwise(build: BuildContext, options: HeadsOptions) -> DraftTreeDrafter:
+    medusa = load(build.target_model, options.heads)  # the chain of each head's top-1 (or draw, when sampling)
+    return DraftTreeDrafter(scorer_of(build, medusa), build.sampling, build.generator, branching=[1] * len(medusa))
 
 
 register(
@@ -104,9 +139,8 @@ register(
         paper="Stern et al. 2018, arXiv:1811.03115",
         summary="k heads on the target's last hidden state propose the next k tokens at once; the longest prefix "
                 "the target agrees with is kept",
-        make_drafter=_make_blockwise,
+        drafter=Part(_make_blockwise, HeadsOptions),
         needs=("heads",),
-        options={"heads": None},
     )
 )
 
@@ -118,16 +152,15 @@ register(
         paper="Cai et al. 2024, arXiv:2401.10774",
         summary="Medusa heads on the target's last hidden state; a static tree from the Cartesian product of "
                 "their top-k (path choices), or a dynamic one (width > 0), verified in one forward with tree attention",
-        make_drafter=_make_medusa,
+        drafter=Part(_make_medusa, MedusaOptions),
         needs=("heads",),
-        options={"heads": None, "paths": None, "width": 0, "depth": 0, "max_nodes": 0},
     )
 )
 
 
-def _make_typical_verifier(sampling, *, epsilon, delta, **_):
-    check_typical_options(epsilon, delta)
-    return lambda draft, target_logits, generator: verify_typical(draft, target_logits, epsilon, delta)
+def _make_typical_verifier(sampling: SamplingConfig, options: TypicalOptions):
+    return lambda draft, target_logits, generator: verify_typical(draft, target_logits, options.epsilon,
+                                                                  options.delta)
 
 
 register(
@@ -138,10 +171,9 @@ register(
         paper="Cai et al. 2024, arXiv:2401.10774",
         summary="Medusa's tree verified with typical acceptance: a drafted token passes if the target gives it more "
                 "than min(epsilon, delta·exp(-entropy))",
-        make_drafter=_make_medusa,
-        make_verifier=_make_typical_verifier,
+        drafter=Part(_make_medusa, MedusaOptions),
+        verifier=Part(_make_typical_verifier, TypicalOptions),
         needs=("heads",),
-        options={"heads": None, "paths": None, "width": 0, "depth": 0, "max_nodes": 0, "epsilon": 0.09, "delta": 0.3},
         greedy_only=True,
     )
 )

@@ -12,12 +12,15 @@ point masses: the method is exact for sampling too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import Draft, Verdict
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import draft_from_candidates
 from accelgen.costs import sized_by_costs
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 MAX_OCCURRENCES_PER_NGRAM = 4  # occurrences examined per branch and n-gram size: bounds the work per step
 
@@ -85,7 +88,7 @@ def lookup_candidates(index: NGramIndex, length: int, branches: int) -> list[lis
     return candidates
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, draft_length: int = 10, branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
@@ -107,8 +110,17 @@ class PromptLookupDrafter:
         pass  # committed tokens reach the index through the next context
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, draft_length, **options):
-    return sized_by_costs(lambda length: PromptLookupDrafter(**options, draft_length=length), draft_length, target_model)
+@dataclass(frozen=True)
+class PromptLookupOptions(MethodOptions):
+    max_ngram: int = 3  # the longest context suffix looked up ...
+    min_ngram: int = 1  # ... and the shortest
+    draft_length: int | str = "auto"  # tokens copied; "auto": sized each step by the measured costs
+    branches: int = 1  # continuations drafted together, as a tree
+
+
+def _make(build: BuildContext, options: PromptLookupOptions):
+    return sized_by_costs(lambda length: PromptLookupDrafter(**{**options.as_dict(), "draft_length": length}),
+                          options.draft_length, build.target_model)
 
 
 register(
@@ -118,7 +130,6 @@ register(
         lossless="distribution-exact",
         paper="Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding",
         summary="copies the tokens that followed the last earlier occurrence of the context's final n-gram",
-        make_drafter=_make,
-        options={"max_ngram": 3, "min_ngram": 1, "draft_length": "auto", "branches": 1},
+        drafter=Part(_make, PromptLookupOptions),
     )
 )

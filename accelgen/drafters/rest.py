@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -37,10 +38,11 @@ from tqdm.auto import tqdm
 
 from accelgen.atomic import CorruptFileError, read_checked, save_npy_atomically, write_json_atomically
 from accelgen.draft import Draft, Verdict
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import CandidateTree
 from accelgen.drafters.prompt_lookup import NGramIndex, lookup_candidates
 from accelgen.costs import sized_by_costs
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 CONTEXT_MAX_NGRAM = 3  # context=True: the longest tail looked up in the request's own text, as pld's default
 SEPARATOR = -1  # ends every text; sorts before every token, and no query contains it
@@ -235,7 +237,7 @@ class Datastore:
 # --- drafter ---------------------------------------------------------------------------------------------
 
 
-class RestDrafter:
+class RestDrafter(Drafter):
     def __init__(self, datastore: Datastore, max_query: int = 16, min_query: int = 2, max_matches: int = 500,
                  draft_depth: int = 6, max_nodes: int = 8, context: bool = False):
         if not 1 <= min_query <= max_query:
@@ -288,10 +290,22 @@ def open_datastore(datastore, vocab_size: int) -> Datastore:
     return store
 
 
-def _make(target_model, *, draft_model=None, sampling=None, generator=None, tokenizer=None, datastore=None, max_nodes,
-          **options):
-    store = open_datastore(datastore, target_model.config.vocab_size)
-    return sized_by_costs(lambda nodes: RestDrafter(store, **options, max_nodes=nodes), max_nodes, target_model)
+@dataclass(frozen=True)
+class RestOptions(MethodOptions):
+    datastore: object = None  # a Datastore or its folder (`accelgen datastore build`)
+    max_query: int = 16  # the longest context suffix looked up ...
+    min_query: int = 2  # ... and the shortest
+    max_matches: int = 500  # corpus matches read per lookup
+    draft_depth: int = 6  # the deepest tree node
+    max_nodes: int | str = "auto"  # tree nodes per draft; "auto": sized each step by the measured costs
+    context: bool = False  # also draft from the prompt and output's own n-grams
+
+
+def _make(build: BuildContext, options: RestOptions):
+    store = open_datastore(options.datastore, build.target_model.config.vocab_size)
+    settings = {name: value for name, value in options.as_dict().items() if name not in ("datastore", "max_nodes")}
+    return sized_by_costs(lambda nodes: RestDrafter(store, **settings, max_nodes=nodes), options.max_nodes,
+                          build.target_model)
 
 
 register(
@@ -301,9 +315,7 @@ register(
         lossless="distribution-exact",
         paper="He et al. 2023, arXiv:2311.08252",
         summary="retrieves what followed the context's longest suffix in a corpus (suffix array), verified as a tree",
-        make_drafter=_make,
+        drafter=Part(_make, RestOptions),
         needs=("datastore",),
-        options={"datastore": None, "max_query": 16, "min_query": 2, "max_matches": 500, "draft_depth": 6,
-                 "max_nodes": "auto", "context": False},
     )
 )

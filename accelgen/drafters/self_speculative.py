@@ -13,12 +13,13 @@ second half, a common starting point (a skip set changes speed only, never the o
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-from accelgen.costs import SELF_DRAFT_COST
-from accelgen.drafters.draft_model import DraftModelDrafter, scheduled
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.draft_model import SelfDraftingOptions, make_self_drafter
 from accelgen.models.layer_skip import LayerSkipRunner
 from accelgen.models.loading import beside_weights
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 SKIP_FILE = "self-speculative.json"
 
@@ -46,10 +47,19 @@ def resolve_skip(model, skip) -> dict[str, list[int]]:
     raise ValueError(f"self-speculative: skip must be 'tuned', 'default' or a dict of layer lists, got {skip!r}")
 
 
-def _make(target_model, *, sampling, generator, skip, gamma, gamma_schedule, max_gamma, **_):
-    runner = LayerSkipRunner(target_model, **resolve_skip(target_model, skip))
-    drafter = DraftModelDrafter(runner, sampling, generator, gamma=gamma, gamma_schedule=gamma_schedule, max_gamma=max_gamma)
-    return scheduled(drafter, target_model, cost_ratio=SELF_DRAFT_COST)
+@dataclass(frozen=True)
+class SkipOptions(MethodOptions):
+    skip: str | dict = "tuned"  # the sub-layers skipped while drafting: see resolve_skip
+
+
+@dataclass(frozen=True)
+class SelfSpeculativeOptions(SelfDraftingOptions, SkipOptions):
+    """skip, then the drafting options (a dataclass lists the fields of its last base first)."""
+
+
+def _make(build: BuildContext, options: SelfSpeculativeOptions):
+    runner = LayerSkipRunner(build.target_model, **resolve_skip(build.target_model, options.skip))
+    return make_self_drafter(runner, build, options)
 
 
 register(
@@ -60,7 +70,6 @@ register(
         paper="Zhang et al. 2024, arXiv:2309.08168",
         summary="the target drafts for itself with attention and MLP sub-layers skipped (skip set tuned by Bayesian "
                 "optimisation: `accelgen tune`), then verifies with all layers",
-        make_drafter=_make,
-        options={"skip": "tuned", "gamma": 4, "gamma_schedule": "constant", "max_gamma": 32},
+        drafter=Part(_make, SelfSpeculativeOptions),
     )
 )

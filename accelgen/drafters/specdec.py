@@ -9,19 +9,25 @@ non-autoregressive model; any chain drafter fits the rule.) Greedy decoding only
 
 from __future__ import annotations
 
-from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
-from accelgen.registry import MethodSpec, register
+from dataclasses import dataclass
+
+from accelgen.drafters.draft_model import GammaOptions, make_gamma_drafter
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
+from accelgen.sampling import SamplingConfig
 from accelgen.verify import check_specdec_options, verify_specdec
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, gamma, beta, tau):
-    check_vocabularies(target_model, draft_model)
-    return DraftModelDrafter(draft_model, sampling, generator, gamma=gamma)
+@dataclass(frozen=True)
+class SpecVerificationOptions(MethodOptions):
+    beta: int = 3  # drafted tokens among the target's top-beta pass ...
+    tau: float = 1.0  # ... if within tau of the top-1 log-probability
+
+    def __post_init__(self):
+        check_specdec_options(self.beta, self.tau)
 
 
-def _make_verifier(sampling, *, gamma, beta, tau):
-    check_specdec_options(beta, tau)
-    return lambda draft, target_logits, generator: verify_specdec(draft, target_logits, beta, tau)
+def _make_verifier(sampling: SamplingConfig, options: SpecVerificationOptions):
+    return lambda draft, target_logits, generator: verify_specdec(draft, target_logits, options.beta, options.tau)
 
 
 register(
@@ -32,10 +38,9 @@ register(
         paper="Xia et al. 2023, arXiv:2203.16487",
         summary="draft-model drafts with Spec-Verification: a drafted token is accepted if it is in the target's "
                 "top-beta and within tau of the top-1 log-probability (beta=1: greedy)",
-        make_drafter=_make,
+        drafter=Part(make_gamma_drafter, GammaOptions),
         needs=("draft_model",),
-        options={"gamma": 5, "beta": 3, "tau": 1.0},
-        make_verifier=_make_verifier,
+        verifier=Part(_make_verifier, SpecVerificationOptions),
         greedy_only=True,
     )
 )

@@ -10,18 +10,31 @@ children of a node are drawn i.i.d. from the draft distribution (the default ver
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, branching, paths, dynamic, width,
-          depth, max_nodes):
-    check_vocabularies(target_model, draft_model)
-    if dynamic:
-        return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator, width=width, depth=depth,
-                                max_nodes=max_nodes)
-    return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator, branching=branching, paths=paths)
+@dataclass(frozen=True)
+class SpecInferOptions(MethodOptions):
+    branching: list[int] = field(default_factory=lambda: [2, 2, 1, 1])  # static tree: children per node by depth
+    paths: list[list[int]] = field(default_factory=list)  # static tree: its paths (overrides branching)
+    dynamic: bool = False  # dynamic tree, by path probability:
+    width: int = 4
+    depth: int = 5
+    max_nodes: int = 16
+
+
+def _make(build: BuildContext, options: SpecInferOptions) -> DraftTreeDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    scorer = DraftModelScorer(build.draft_model)
+    if options.dynamic:
+        return DraftTreeDrafter(scorer, build.sampling, build.generator, width=options.width, depth=options.depth,
+                                max_nodes=options.max_nodes)
+    return DraftTreeDrafter(scorer, build.sampling, build.generator, branching=options.branching, paths=options.paths)
 
 
 register(
@@ -32,8 +45,7 @@ register(
         paper="Miao et al. 2023, arXiv:2305.09781",
         summary="the draft model expands a token tree (static widths, or dynamic by path probability), verified "
                 "in one target forward with tree attention; multi-step speculative sampling over i.i.d. siblings",
-        make_drafter=_make,
+        drafter=Part(_make, SpecInferOptions),
         needs=("draft_model",),
-        options={"branching": [2, 2, 1, 1], "paths": [], "dynamic": False, "width": 4, "depth": 5, "max_nodes": 16},
     )
 )

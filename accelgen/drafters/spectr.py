@@ -10,30 +10,36 @@ greedily, and greedy matching keeps the longest path the target agrees with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.verify import default_verifier
-from accelgen.registry import MethodSpec, register
-from accelgen.sampling import logits_to_probs
+from accelgen.registry import MethodOptions, MethodSpec, NoOptions, Part, register
+from accelgen.sampling import SamplingConfig, logits_to_probs
 from accelgen.verify import verify_spectr
 
 
-def _check(num_drafts, gamma) -> None:
-    for name, value in (("num_drafts", num_drafts), ("gamma", gamma)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"spectr: {name} must be an integer >= 1, got {value!r}")
+@dataclass(frozen=True)
+class SpecTrOptions(MethodOptions):
+    num_drafts: int = 4  # independent draft sequences
+    gamma: int = 4  # tokens in each
+
+    def __post_init__(self):
+        for name, value in (("num_drafts", self.num_drafts), ("gamma", self.gamma)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"spectr: {name} must be an integer >= 1, got {value!r}")
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, num_drafts, gamma):
-    _check(num_drafts, gamma)
-    check_vocabularies(target_model, draft_model)
+def _make(build: BuildContext, options: SpecTrOptions) -> DraftTreeDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
     # K-SEQ needs i.i.d. sequences: duplicates included
-    return DraftTreeDrafter(DraftModelScorer(draft_model), sampling, generator,
-                            branching=[num_drafts] + [1] * (gamma - 1), replacement=True)
+    return DraftTreeDrafter(DraftModelScorer(build.draft_model), build.sampling, build.generator,
+                            branching=[options.num_drafts] + [1] * (options.gamma - 1), replacement=True)
 
 
-def _make_verifier(sampling, *, num_drafts, gamma):
-    _check(num_drafts, gamma)
+def _make_verifier(sampling: SamplingConfig, options: NoOptions):
     if sampling.greedy:
         return default_verifier(sampling)
     return lambda draft, target_logits, generator: verify_spectr(draft, logits_to_probs(target_logits, sampling), generator)
@@ -47,9 +53,8 @@ register(
         paper="Sun et al. 2023, arXiv:2310.15141",
         summary="the draft model samples num_drafts independent sequences; K-SEQ (optimal transport with membership "
                 "cost, approximated) selects one token per depth exactly from the target distribution",
-        make_drafter=_make,
+        drafter=Part(_make, SpecTrOptions),
         needs=("draft_model",),
-        options={"num_drafts": 4, "gamma": 4},
-        make_verifier=_make_verifier,
+        verifier=Part(_make_verifier),
     )
 )

@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from accelgen.draft import Draft, Verdict
-from accelgen.drafters.draft_model import roll_back
+from accelgen.draft import Draft, Verdict, keep_accepted
+from accelgen.drafters.draft_decoding import roll_back
 from accelgen.drafters.prompt_lookup import NGramIndex, copy_continuation
 from accelgen.verify import default_verifier
 from accelgen.models.runner import ModelRunner, runner_for
@@ -125,8 +125,7 @@ class SelfSpeculatingDraftModel:
         self.cheap.observe(context)
         if count <= 0:
             return [], torch.empty(0, self.runner.vocab_size)
-        shared = roll_back(self.runner, self.cached_tokens, context)
-        self.cached_tokens = self.cached_tokens[:shared]
+        roll_back(self.runner, self.cached_tokens, context)
         sequence, rows = list(context), []
         made = 0
         while made < count:
@@ -137,7 +136,7 @@ class SelfSpeculatingDraftModel:
             # logits: (len(proposal)+1, vocab), row 0 after the root, row i+1 after proposal[i]
             draft = Draft.chain(torch.tensor(proposal, dtype=torch.long))
             verdict: Verdict = self.verify(draft, logits, self.generator)
-            self.runner.keep(len(sequence) - 1, [0] + [node + 1 for node in verdict.accepted])
+            keep_accepted(self.runner, len(sequence) - 1, verdict)
             new_tokens = verdict.new_tokens(draft)
             sequence += new_tokens
             rows.append(logits[: len(new_tokens)])

@@ -21,16 +21,19 @@ keeps the target distribution; the chain below x1 is drawn from q given x1, as p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen.draft import ROOT, Draft
+from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig, sample
 
 
-class StagedDrafter:
+class StagedDrafter(Drafter):
     def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, gamma: int = 5,
                  branches: int = 2, stage_two_tokens: int = 4, max_ngram: int = 3):
         if gamma < 1:
@@ -76,9 +79,17 @@ class StagedDrafter:
         return [sample(root_probs, self.generator) for _ in range(count)]
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
-    check_vocabularies(target_model, draft_model)
-    return StagedDrafter(draft_model, sampling, generator, **options)
+@dataclass(frozen=True)
+class StagedOptions(MethodOptions):
+    gamma: int = 5  # tokens of the draft model's chain
+    branches: int = 2  # first tokens of the tree: the chain's and branches - 1 alternatives
+    stage_two_tokens: int = 4  # the second stage's draft length, per draft-model step
+    max_ngram: int = 3  # the second stage's longest n-gram
+
+
+def _make(build: BuildContext, options: StagedOptions) -> StagedDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    return StagedDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
 
 
 register(
@@ -89,8 +100,7 @@ register(
         paper="Spector & Re 2023, arXiv:2308.04623",
         summary="the draft model is itself sped up by an n-gram/bigram second stage; its chain plus alternative "
                 "first tokens form a small tree verified in one target forward",
-        make_drafter=_make,
+        drafter=Part(_make, StagedOptions),
         needs=("draft_model",),
-        options={"gamma": 5, "branches": 2, "stage_two_tokens": 4, "max_ngram": 3},
     )
 )

@@ -29,14 +29,18 @@ so the middle level costs about what a target step costs: TriForce pays where th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from accelgen import cache as kv
 from accelgen.draft import Draft
-from accelgen.drafters.draft_model import catch_up, check_vocabularies, shared_prefix
+from accelgen.drafters.draft_decoding import decode_draft, shared_prefix
+from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
 from accelgen.models.runner import ModelRunner
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
 
@@ -80,12 +84,7 @@ class StreamingProposer:
         if self.runner.position_offset and shared < self.sink + self.runner.position_offset:
             self.runner.reset()  # the sequence parts from what the cache holds inside the evicted positions
             self.cached_tokens = []
-        logits = catch_up(self.runner, self.cached_tokens, sequence)  # (vocab,) after the whole sequence
-        tokens = [int(logits.argmax())]
-        while len(tokens) < length:
-            logits = self.runner.forward(torch.tensor(tokens[-1:]), logits_for_last=1)[-1]
-            tokens.append(int(logits.argmax()))
-        self.cached_tokens = sequence + tokens[:-1]
+        tokens, _ = decode_draft(self.runner, self.cached_tokens, sequence, length)  # greedy
         self._evict()
         return tokens
 
@@ -98,9 +97,9 @@ class StreamingProposer:
         self.runner.position_offset += held - len(keep)
 
 
-class TriForceDrafter:
-    def __init__(self, target_model, draft_model, sampling: SamplingConfig, generator: torch.Generator | None,
-                 gamma: int = 6, stage_two_tokens: int = 4, budget: int = 256, chunk_size: int = 16, sink: int = 4,
+class TriForceDrafter(Drafter):
+    def __init__(self, target_model, target: ModelRunner | None, draft_model, sampling: SamplingConfig,
+                 generator: torch.Generator | None, gamma: int = 6, stage_two_tokens: int = 4, budget: int = 256, chunk_size: int = 16, sink: int = 4,
                  window: int = 256):
         for name, value, least in (("gamma", gamma, 1), ("stage_two_tokens", stage_two_tokens, 1),
                                    ("chunk_size", chunk_size, 1), ("budget", budget, chunk_size),
@@ -114,18 +113,14 @@ class TriForceDrafter:
         self.chunk_size = chunk_size
         self.middle = SelfSpeculatingDraftModel(ModelRunner(target_model), sampling, generator, stage_two_tokens,
                                                 proposer=StreamingProposer(draft_model, sink, window))
-        self.target: ModelRunner | None = None
+        self.target = target  # the runner holding the target's KV cache, which the retrieval cache is gathered from
         self.retrieved: list[torch.Tensor] | None = None  # per layer: the prompt positions kept
         self.prompt = 0  # positions the retrieval chose from; later ones are all kept
-
-    def attach(self, target: ModelRunner) -> None:
-        """The runner holding the target's KV cache, which the retrieval cache is gathered from."""
-        self.target = target
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long, prompt + committed tokens."""
         if self.target is None:
-            raise RuntimeError("triforce drafts from the target's KV cache: attach(target runner) first")
+            raise RuntimeError("triforce drafts from the target's KV cache: build it with the target's runner")
         cached = self.target.length
         count = min(self.gamma, max_nodes)
         if cached == 0 or cached < len(context) - 1 or count <= 0:
@@ -192,9 +187,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, **options):
-    check_vocabularies(target_model, draft_model)
-    return TriForceDrafter(target_model, draft_model, sampling, generator, **options)
+@dataclass(frozen=True)
+class TriForceOptions(MethodOptions):
+    gamma: int = 6  # tokens the retrieval-cache target drafts per step
+    stage_two_tokens: int = 4  # tokens the small model drafts for it per step
+    budget: int = 256  # prompt positions the retrieval cache keeps ...
+    chunk_size: int = 16  # ... in chunks of this many
+    sink: int = 4  # the small model's StreamingLLM cache: first positions kept ...
+    window: int = 256  # ... and the last
+
+
+def _make(build: BuildContext, options: TriForceOptions) -> TriForceDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    return TriForceDrafter(build.target_model, build.target, build.draft_model, build.sampling, build.generator,
+                           **options.as_dict())
 
 
 register(
@@ -205,8 +211,7 @@ register(
         paper="Sun et al. 2024, arXiv:2404.11912",
         summary="for long contexts: the target over a retrieved part of its own KV cache drafts, itself drafted for "
                 "by a small model with a StreamingLLM cache; the full target verifies",
-        make_drafter=_make,
+        drafter=Part(_make, TriForceOptions),
         needs=("draft_model",),
-        options={"gamma": 6, "stage_two_tokens": 4, "budget": 256, "chunk_size": 16, "sink": 4, "window": 256},
     )
 )

@@ -21,15 +21,17 @@ proposal only costs acceptance, never correctness.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from accelgen.draft import Draft, Verdict
-from accelgen.drafters.draft_model import catch_up
+from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.draft_decoding import TokenChoice, decode_draft
 from accelgen.prompts import eos_token_ids
 from accelgen.models.runner import runner_for
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 LOOKBEHIND = 8  # committed tokens re-decoded around a boundary: enough for any merge to settle
 MAX_PENDING = 3  # a UTF-8 character has at most 4 bytes, so at most 3 tokens can end inside one
@@ -134,7 +136,7 @@ class TextCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-class UniversalDrafter:
+class UniversalDrafter(Drafter):
     def __init__(self, draft_model, target_tokenizer, draft_tokenizer, gamma: int = 5):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -145,7 +147,8 @@ class UniversalDrafter:
         self.to_draft_specials = special_token_map(target_tokenizer, draft_tokenizer)
         self.to_target_specials = special_token_map(draft_tokenizer, target_tokenizer)
         self.draft_bos = leading_special_ids(draft_tokenizer)
-        self.draft_eos = eos_token_ids(draft_model, draft_tokenizer)
+        # greedy draft tokens, ending after the draft model's EOS
+        self.choice = TokenChoice(stop_tokens=frozenset(eos_token_ids(draft_model, draft_tokenizer)))
         self.cached_tokens: list[int] = []  # draft tokens whose KV the draft cache holds, in order
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
@@ -153,10 +156,11 @@ class UniversalDrafter:
         complete = complete_prefix_length(self.target.decode, committed)
         pending = committed[complete:]  # target tokens ending inside a character: the proposal must repeat them
         draft_context = self.draft_context(committed[:complete])
-        gamma = min(self.gamma, self.runner.max_positions - len(draft_context))
-        if not draft_context or gamma <= 0:
+        if not draft_context:
             return Draft.empty()
-        drafted = self.draft_tokens(draft_context, gamma)
+        drafted, _ = decode_draft(self.runner, self.cached_tokens, draft_context, self.gamma, self.choice)
+        if not drafted:  # the draft model's context is full
+            return Draft.empty()
         text = strip_incomplete_character(new_text(self.draft.decode, draft_context, drafted))
         text = translate_special_tokens(text, self.to_target_specials)
         window = committed[max(0, complete - LOOKBEHIND) : complete]
@@ -172,20 +176,6 @@ class UniversalDrafter:
         if self.draft_bos and ids[: len(self.draft_bos)] != self.draft_bos:
             ids = self.draft_bos + ids
         return ids
-
-    def draft_tokens(self, draft_context: list[int], gamma: int) -> list[int]:
-        """Up to gamma greedy draft tokens after draft_context, ending early after an EOS."""
-        logits = catch_up(self.runner, self.cached_tokens, draft_context)
-        self.cached_tokens = list(draft_context)
-        tokens = []
-        for step in range(gamma):
-            token = int(logits.argmax())
-            tokens.append(token)
-            if token in self.draft_eos or step == gamma - 1:  # the last token needs no forward of its own
-                break
-            logits = self.runner.forward(torch.tensor([token]))[-1]
-            self.cached_tokens.append(token)
-        return tokens
 
     def update(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> None:
         pass  # the next proposal re-aligns from the committed text itself
@@ -214,10 +204,17 @@ def load_draft_tokenizer(draft_tokenizer, draft_model):
                          "pass draft_tokenizer= (CLI: -o draft_tokenizer=NAME)") from error
 
 
-def _make(target_model, *, draft_model, tokenizer=None, sampling=None, generator=None, gamma=5, draft_tokenizer=None):
-    if tokenizer is None:
+@dataclass(frozen=True)
+class UniversalOptions(MethodOptions):
+    gamma: int = 5  # draft-model tokens per step
+    draft_tokenizer: object = None  # the draft model's tokenizer, or its name or folder (None: the draft model's)
+
+
+def _make(build: BuildContext, options: UniversalOptions) -> UniversalDrafter:
+    if build.tokenizer is None:
         raise ValueError("method 'universal' needs the target tokenizer (tokenizer=)")
-    return UniversalDrafter(draft_model, tokenizer, load_draft_tokenizer(draft_tokenizer, draft_model), gamma)
+    draft_tokenizer = load_draft_tokenizer(options.draft_tokenizer, build.draft_model)
+    return UniversalDrafter(build.draft_model, build.tokenizer, draft_tokenizer, options.gamma)
 
 
 register(
@@ -227,8 +224,7 @@ register(
         lossless="greedy-exact",
         paper="Timor et al. 2025, arXiv:2502.05202 (HF universal assisted generation)",
         summary="a draft model with a different tokenizer drafts text; it is re-tokenized for the target and verified",
-        make_drafter=_make,
+        drafter=Part(_make, UniversalOptions),
         needs=("draft_model",),
-        options={"gamma": 5, "draft_tokenizer": None},
     )
 )

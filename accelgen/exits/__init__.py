@@ -1,8 +1,6 @@
-"""Early-exit methods, one file per method; importing this package registers them all.
+"""Early-exit methods, one file per method (accelgen/methods.py lists them).
 
 Each builds an exit rule for `models.early_exit.EarlyExitRunner`, the target's forward that leaves the layer
 stack early, and drafts nothing (the loop then commits one token per step, from wherever the token exited).
 `ppd` reads an exit differently: to start the next token early, while every token still comes from the last layer.
 """
-
-from accelgen.exits import calm, consistent_ee, ee_recompute, free, hash_ee, ppd, skipdecode  # noqa: F401

@@ -14,7 +14,7 @@ confidence measures:
 
 The threshold decides the trade: 1.0 never exits (the full model's output), lower values exit earlier. CALM
 chooses it with Learn-then-Test so that agreement with the full model is guaranteed with high probability on
-the calibration distribution: `accelgen calibrate calm` (accelgen/exits/calibrate.py), then
+the calibration distribution: `accelgen calibrate calm` (accelgen/train/calibrate.py), then
 `threshold="calibrated"` uses the saved result. CALM's decaying threshold is not built.
 """
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.heads.exit_heads import ExitHeads
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.models.loading import beside_weights
-from accelgen.registry import MethodSpec, register
-from accelgen.train.exit_heads import ExitHeads
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 CALIBRATION_FILE = "calm.json"
 
@@ -117,10 +117,20 @@ def make_rule(model, *, measure: str, threshold, exit_layers, heads: ExitHeads |
     return ConfidentExit(measure, float(threshold), frozenset(layers), heads)
 
 
-def make_runner(model, *, heads, propagation: str = "copy", **options) -> EarlyExitRunner:
-    """The early-exit runner of `calm` (and of `ee-recompute`, with propagation="recompute")."""
+@dataclass(frozen=True)
+class CalmOptions(MethodOptions):
+    """The options of `calm` and `ee-recompute`."""
+
+    measure: str = "softmax"  # one of MEASURES
+    threshold: float | str = 0.9  # the confidence that exits, or "calibrated"
+    exit_layers: list[int] | None = None  # the layers a token may exit at (None: default_exit_layers, or the heads')
+    heads: str | None = None  # trained exit heads' folder, for measure "classifier"
+
+
+def make_runner(model, *, heads, propagation: str = "copy", **rule) -> EarlyExitRunner:
+    """The early-exit runner of `calm` (of `ee-recompute` with propagation="recompute", and of `consistent-ee`)."""
     heads = ExitHeads.load(heads, model) if heads else None
-    return EarlyExitRunner(model, make_rule(model, heads=heads, **options), propagation, heads=heads)
+    return EarlyExitRunner(model, make_rule(model, heads=heads, **rule), propagation, heads=heads)
 
 
 register(
@@ -132,8 +142,7 @@ register(
         summary="each token leaves the layer stack once its confidence (softmax response, hidden-state saturation "
                 "or a trained classifier) passes a threshold, calibrated by Learn-then-Test; skipped layers' KV "
                 "from the copied state",
-        make_drafter=no_drafter,
-        make_runner=make_runner,
-        options={"measure": "softmax", "threshold": 0.9, "exit_layers": None, "heads": None},
+        drafter=Part(no_drafter),
+        runner=Part(lambda model, options: make_runner(model, **options.as_dict()), CalmOptions),
     )
 )

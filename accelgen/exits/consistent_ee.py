@@ -8,12 +8,21 @@ that probability as the confidence (and exit adapters, if the policy was trained
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from accelgen.drafters.autoregressive import no_drafter
 from accelgen.exits.calm import make_runner
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
-def _make_runner(model, *, heads, threshold):
+@dataclass(frozen=True)
+class ConsistentExitOptions(MethodOptions):
+    heads: str | None = None  # the trained exit policy's folder
+    threshold: float = 0.5  # the policy's exit probability that exits
+
+
+def _make_runner(model, options: ConsistentExitOptions):
+    heads, threshold = options.heads, options.threshold
     if not heads:
         raise ValueError("consistent-ee needs a trained exit policy: heads=FOLDER "
                          "(from `accelgen train consistent-ee --out FOLDER`)")
@@ -28,9 +37,8 @@ register(
         paper="Zeng et al. 2024, arXiv:2312.11882",
         summary="exits where a policy trained with policy gradient says so, rewarded for accuracy on hard tokens "
                 "and for depth saved on easy ones",
-        make_drafter=no_drafter,
-        make_runner=_make_runner,
-        options={"heads": None, "threshold": 0.5},
+        drafter=Part(no_drafter),
+        runner=Part(_make_runner, ConsistentExitOptions),
         needs=("heads",),
     )
 )

@@ -11,8 +11,8 @@ batched with the next token, where a memory-bound forward makes a second row nea
 from __future__ import annotations
 
 from accelgen.drafters.autoregressive import no_drafter
-from accelgen.exits.calm import make_runner
-from accelgen.registry import MethodSpec, register
+from accelgen.exits.calm import CalmOptions, make_runner
+from accelgen.registry import MethodSpec, Part, register
 
 register(
     MethodSpec(
@@ -22,8 +22,8 @@ register(
         paper="Chen et al. 2023, arXiv:2312.04916 (EE-LLM)",
         summary="CALM's confidence exits, with the skipped layers' KV of an exited token recomputed in the next "
                 "forward together with the new token instead of copied",
-        make_drafter=no_drafter,
-        make_runner=lambda model, **options: make_runner(model, propagation="recompute", **options),
-        options={"measure": "softmax", "threshold": 0.9, "exit_layers": None, "heads": None},
+        drafter=Part(no_drafter),
+        runner=Part(lambda model, options: make_runner(model, propagation="recompute", **options.as_dict()),
+                    CalmOptions),
     )
 )

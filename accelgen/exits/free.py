@@ -23,7 +23,7 @@ import torch
 
 from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.early_exit import EarlyExitRunner
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 INITIAL_THRESHOLD = 0.9
 MIN_SAMPLES = 8  # of each kind, agreeing and disagreeing, before the fitted threshold replaces the initial one
@@ -101,6 +101,13 @@ class ShallowDeepExit:
             self.threshold = adaptive_threshold(self.agreeing, self.disagreeing, self.agreement)
 
 
+@dataclass(frozen=True)
+class FreeOptions(MethodOptions):
+    exit_layer: int | None = None  # the shallow exit (None: the middle layer)
+    threshold: float | str = "adaptive"  # the confidence that exits, or "adaptive": fitted as it decodes
+    agreement: float = 0.9  # how often the exit must agree with the deep model, for the adaptive threshold
+
+
 def make_rule(model, *, exit_layer, threshold, agreement) -> ShallowDeepExit:
     layer_count = model.config.num_hidden_layers
     exit_layer = layer_count // 2 - 1 if exit_layer is None else exit_layer
@@ -122,9 +129,8 @@ register(
         paper="Bae et al. 2023, arXiv:2310.05424",
         summary="one shallow exit or the full depth; exited tokens' deep layers run beside the next deep token "
                 "(synchronized parallel decoding); threshold fitted with a Beta mixture as it decodes",
-        make_drafter=no_drafter,
-        make_runner=lambda model, **options: EarlyExitRunner(model, make_rule(model, **options),
-                                                             propagation="synchronized"),
-        options={"exit_layer": None, "threshold": "adaptive", "agreement": 0.9},
+        drafter=Part(no_drafter),
+        runner=Part(lambda model, options: EarlyExitRunner(model, make_rule(model, **options.as_dict()),
+                                                            propagation="synchronized"), FreeOptions),
     )
 )

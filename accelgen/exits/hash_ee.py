@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from accelgen.drafters.autoregressive import no_drafter
 from accelgen.exits.calm import check_exit_layers
 from accelgen.models.early_exit import EarlyExitRunner
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 def hashed_exit_layer(token: int, exit_layers: tuple[int, ...]) -> int:
@@ -32,6 +32,11 @@ class HashExit:
         return layer == hashed_exit_layer(token, self.exit_layers)
 
 
+@dataclass(frozen=True)
+class HashExitOptions(MethodOptions):
+    exit_layers: list[int] | None = None  # the layers hashed to (None: from the middle up, the last included)
+
+
 def make_rule(model, *, exit_layers) -> HashExit:
     layer_count = model.config.num_hidden_layers
     if exit_layers is None:  # from the middle up, the full depth included
@@ -46,8 +51,8 @@ register(
         lossless="lossy",
         paper="Sun et al. 2022, arXiv:2203.01670",
         summary="each token exits at a layer chosen by a fixed hash of its id: no confidence, no classifier",
-        make_drafter=no_drafter,
-        make_runner=lambda model, **options: EarlyExitRunner(model, make_rule(model, **options)),
-        options={"exit_layers": None},
+        drafter=Part(no_drafter),
+        runner=Part(lambda model, options: EarlyExitRunner(model, make_rule(model, **options.as_dict())),
+                    HashExitOptions),
     )
 )

@@ -27,7 +27,7 @@ from accelgen import cache as kv
 from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.layerwise import exit_logits, llama_decoder, through_layers
 from accelgen.models.runner import ModelRunner, additive_mask
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 @dataclass
@@ -124,7 +124,13 @@ class PipelinedRunner(ModelRunner):
                 "compute": (main_rows + self.candidate_rows) / (self.layer_count * len(decoded))}
 
 
-def make_runner(model, *, pipeline_layer, candidates, **_) -> PipelinedRunner:
+@dataclass(frozen=True)
+class PipelineOptions(MethodOptions):
+    pipeline_layer: int | None = None  # the exit whose candidates start early (None: the middle layer)
+    candidates: int = 3  # next-token candidates started per step
+
+
+def make_runner(model, *, pipeline_layer, candidates) -> PipelinedRunner:
     layer_count = model.config.num_hidden_layers
     pipeline_layer = layer_count // 2 if pipeline_layer is None else pipeline_layer
     if not 1 <= pipeline_layer < layer_count - 1:
@@ -143,8 +149,7 @@ register(
         paper="Yang et al. 2023, arXiv:2307.05908",
         summary="an early exit's top-k candidates for the next token start their forwards before the current "
                 "one ends; the last layer's choice keeps its candidate (saves latency on pipelining hardware)",
-        make_drafter=no_drafter,
-        make_runner=make_runner,
-        options={"pipeline_layer": None, "candidates": 3},
+        drafter=Part(no_drafter),
+        runner=Part(lambda model, options: make_runner(model, **options.as_dict()), PipelineOptions),
     )
 )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from accelgen.drafters.autoregressive import no_drafter
 from accelgen.models.early_exit import EarlyExitRunner
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 def skipped_layers(position: int, *, min_skip: int, max_skip: int, horizon: int) -> int:
@@ -34,6 +34,13 @@ class SkipSchedule:
 
     def should_exit(self, token, layer, hidden, previous, logits) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class SkipDecodeOptions(MethodOptions):
+    min_skip: int = 0  # lower layers skipped at the first position ...
+    max_skip: int | None = None  # ... and at the last (None: a quarter of the layers)
+    horizon: int = 512  # positions over which the skip grows
 
 
 def make_rule(model, *, min_skip: int, max_skip, horizon: int) -> SkipSchedule:
@@ -55,8 +62,8 @@ register(
         paper="Del Corro et al. 2023, arXiv:2307.02628",
         summary="one depth per position for the whole batch, shrinking along the sequence by skipping lower "
                 "layers, so every computed layer's KV cache stays complete",
-        make_drafter=no_drafter,
-        make_runner=lambda model, **options: EarlyExitRunner(model, make_rule(model, **options)),
-        options={"min_skip": 0, "max_skip": None, "horizon": 512},
+        drafter=Part(no_drafter),
+        runner=Part(lambda model, options: EarlyExitRunner(model, make_rule(model, **options.as_dict())),
+                    SkipDecodeOptions),
     )
 )

@@ -72,7 +72,7 @@ class EarlyExitRunner(ModelRunner):
         self.layer_count = len(self.decoder.layers)
         self.rule = rule
         self.propagation = propagation
-        self.heads = heads  # trained exit adapters (train/exit_heads.py), or None for the plain exits
+        self.heads = heads  # trained exit adapters (heads/exit_heads.py), or None for the plain exits
         self.layers_used: list[int] = []  # per decoded token: layers it went through in full
         self.pending: Pending | None = None  # "recompute" and "synchronized": the last tokens, if they exited
 

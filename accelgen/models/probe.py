@@ -56,7 +56,7 @@ def measure_format(name_or_path: str, weights: str, threads: int | None = None) 
     import torch
 
     from accelgen.models.loading import load_model
-    from accelgen.profile import batch_forward_seconds, timing_prompt
+    from accelgen.models.timing import batch_forward_seconds, timing_prompt
 
     previous = torch.get_num_threads()
     if threads:

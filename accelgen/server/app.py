@@ -30,13 +30,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from accelgen.drafters.online import OnlineLearner
 from accelgen.generate import Chunk, GenerationResult, Sequence
 from accelgen.registry import get_method
 from accelgen.server.engine import Engine, Request
 from accelgen.server.metrics import CONTENT_TYPE, Metrics
 from accelgen.server.tools import (Tool, ToolChoice, call_constraint, chosen_tools, openai_tool_calls,
                                    parse_tool_call, render_tool_prompt)
+from accelgen.train.online import OnlineLearner
 
 
 @dataclass
@@ -137,20 +137,8 @@ class ChatBody(_Body):
 def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     """The FastAPI app; starts its own engine thread (stopped gracefully at shutdown) unless one is given."""
     engine = engine or Engine()
-    methods = dict(config.methods) or {config.method: {}}
-    if config.method not in methods:
-        methods[config.method] = {}
-    for method in methods:
-        spec = get_method(method)  # unknown names fail at startup, not per request
-        if "draft_model" in spec.needs and config.draft_model is None:
-            raise ValueError(f"method {method!r} needs a draft model: pass --draft")
-        methods[method] = spec.check_options(methods[method])
-    if "online" in methods and methods["online"]["learner"] is None:
-        # one learner for the server's life, so that the draft learns from every request (drafters/online.py);
-        # binding it now refuses a draft that cannot train (not float32) at startup
-        learner = OnlineLearner()
-        learner.bind(config.draft_model, methods["online"]["train_layers"])
-        methods["online"]["learner"] = learner
+    service = Service(config, engine, served_methods(config), Admission(config.max_concurrent),
+                      Metrics(engine, config.model_name))
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -161,8 +149,42 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="accelgen", lifespan=lifespan)
     app.state.engine = engine
     app.state.config = config
-    app.state.admission = admission = Admission(config.max_concurrent)
-    app.state.metrics = metrics = Metrics(engine, config.model_name)
+    app.state.admission = service.admission
+    app.state.metrics = service.metrics
+    add_error_handlers(app)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout_seconds=config.body_timeout_seconds)
+    add_model_routes(app, service)
+    add_completion_routes(app, service)
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def served_methods(config: ServerConfig) -> dict[str, dict]:
+    """The methods the server serves, each with its checked options: unknown names, a missing draft model and bad
+    options fail at startup, not per request."""
+    methods = dict(config.methods) or {config.method: {}}
+    if config.method not in methods:
+        methods[config.method] = {}
+    for method in methods:
+        spec = get_method(method)
+        spec.check_needs(draft_model=config.draft_model, how="--draft")
+        methods[method] = spec.check_options(methods[method])
+    if "online" in methods and methods["online"]["learner"] is None:
+        # one learner for the server's life, so that the draft learns from every request (drafters/online.py);
+        # binding it now refuses a draft that cannot train (not float32) at startup
+        learner = OnlineLearner()
+        learner.bind(config.draft_model, methods["online"]["train_layers"])
+        methods["online"]["learner"] = learner
+    return methods
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error answered in OpenAI's shape: ours, a body that fails validation, and a bug."""
 
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):
@@ -177,68 +199,114 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     async def bug(_request, error: Exception):  # still a bug, logged with its traceback; the client gets JSON
         return error_response(500, f"internal error: {type(error).__name__}", "server_error")
 
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       body_timeout_seconds=config.body_timeout_seconds)
+
+def add_model_routes(app: FastAPI, service: Service) -> None:
+    """/health, and the model served with its methods."""
+    config = service.config
 
     @app.get("/health")
     async def health():
-        if not engine.ready.is_set():  # e.g. still timing batched forwards for its speculation policy
-            return JSONResponse({"status": "starting", "detail": engine.starting}, status_code=503)
+        if not service.engine.ready.is_set():  # e.g. still timing batched forwards for its speculation policy
+            return JSONResponse({"status": "starting", "detail": service.engine.starting}, status_code=503)
         return {"status": "ok"}
-
-    def model_card() -> dict:
-        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "accelgen", "methods": sorted(methods)}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [service.model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != config.model_name:
             raise APIError(404, f"model {model_id!r} does not exist here; this server serves {config.model_name!r}",
                            param="model")
-        return model_card()
+        return service.model_card()
+
+
+def add_completion_routes(app: FastAPI, service: Service) -> None:
+    """/v1/completions and /v1/chat/completions: each checks what is its own, then the service serves it."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (the prompt's tokens have no logprobs here)",
-                           param="echo")
-        return await serve(body, prompt, http, Shape(chat=False, logprobs=body.logprobs, echo=body.echo))
+        prompt = completion_prompt(body)
+        return await service.serve(body, prompt, http, Shape(chat=False, logprobs=body.logprobs, echo=body.echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: HTTPRequest):
-        if getattr(config.tokenizer, "chat_template", None) is None:
-            raise APIError(400, f"{config.model_name} has no chat template: use /v1/completions")
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.tool_choice not in (None, "auto", "none") and not body.tools:
-            raise APIError(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
-        if body.tools and response_constraint(body.response_format) is not None:
-            raise APIError(400, "give tools or a JSON response_format, not both", param="response_format")
-        messages = [chat_message(m) for m in body.messages]
-        tools = body.tools or []
-        try:
-            callable_tools = chosen_tools(tools, body.tool_choice)
-        except ValueError as error:
-            raise APIError(400, str(error), param="tool_choice") from None
-        shape = Shape(chat=True, logprobs=(body.top_logprobs or 0) if body.logprobs else None, described_tools=tools,
-                      tools=[] if body.tool_choice == "none" else callable_tools,
-                      forced_call=call_constraint(tools, body.tool_choice) if tools else None)
-        return await serve(body, messages, http, shape)
+        messages, shape = chat_request(body, service.config)
+        return await service.serve(body, messages, http, shape)
 
-    @app.get("/metrics")
-    async def metrics_text():
-        return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    async def serve(body: _Body, prompt, http: HTTPRequest, shape: Shape):
+def completion_prompt(body: CompletionBody):
+    """The one prompt of a completion request: text or token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (the prompt's tokens have no logprobs here)",
+                       param="echo")
+    return prompt
+
+
+def chat_request(body: ChatBody, config: ServerConfig) -> tuple[list[dict], Shape]:
+    """(the messages, the Shape of the answer) of a chat request: its logprobs and its tools."""
+    if getattr(config.tokenizer, "chat_template", None) is None:
+        raise APIError(400, f"{config.model_name} has no chat template: use /v1/completions")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.tool_choice not in (None, "auto", "none") and not body.tools:
+        raise APIError(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
+    if body.tools and response_constraint(body.response_format) is not None:
+        raise APIError(400, "give tools or a JSON response_format, not both", param="response_format")
+    messages = [chat_message(m) for m in body.messages]
+    tools = body.tools or []
+    try:
+        callable_tools = chosen_tools(tools, body.tool_choice)
+    except ValueError as error:
+        raise APIError(400, str(error), param="tool_choice") from None
+    shape = Shape(chat=True, logprobs=(body.top_logprobs or 0) if body.logprobs else None, described_tools=tools,
+                  tools=[] if body.tool_choice == "none" else callable_tools,
+                  forced_call=call_constraint(tools, body.tool_choice) if tools else None)
+    return messages, shape
+
+
+@dataclass
+class Service:
+    """What the routes share: the configuration, the engine, the methods served with their options, the admission
+    of requests in flight and the metrics. `serve` answers a checked request."""
+
+    config: ServerConfig
+    engine: Engine
+    methods: dict[str, dict]
+    admission: Admission
+    metrics: Metrics
+
+    def model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "accelgen",
+                "methods": sorted(self.methods)}
+
+    async def serve(self, body: _Body, prompt, http: HTTPRequest, shape: Shape):
         arrived = time.monotonic()  # for the latency histograms
+        method, options = self.checked(body, prompt, shape)
+        # slots are taken here, one per choice, before any work, atomically (checking the engine's load instead let
+        # a burst through while its requests were being prepared); the engine gives each back when it answers
+        if not self.admission.take(body.n):
+            raise APIError(429, f"server busy: {self.config.max_concurrent} requests in flight, try again later",
+                           "rate_limit_error")
+        try:
+            requests, events, reply = await self.submit(prompt, method, options, body.n, body.seed, shape, arrived)
+        except BaseException:  # refused before the engine had them
+            self.admission.give_back(body.n)
+            raise
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(stream_events(requests, events, reply, include_usage), media_type="text/event-stream")
+        return JSONResponse(await collect(requests, events, reply, http))
+
+    def checked(self, body: _Body, prompt, shape: Shape) -> tuple[str, dict]:
+        """(the method, Sequence.start's sampling arguments) of a request this server can serve, else APIError."""
+        config = self.config
         if body.model is not None and body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {config.model_name!r}",
                            param="model")
@@ -246,8 +314,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             if name in UNSUPPORTED_UNLESS_NEUTRAL and value not in UNSUPPORTED_UNLESS_NEUTRAL[name]:
                 raise APIError(400, f"{name}={value!r} is not supported", param=name)
         method = body.method or config.method
-        if method not in methods:
-            raise APIError(400, f"method {method!r} is not available; choose from {', '.join(sorted(methods))}",
+        if method not in self.methods:
+            raise APIError(400, f"method {method!r} is not available; choose from {', '.join(sorted(self.methods))}",
                            param="method")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = config.max_tokens if max_tokens is None else max_tokens
@@ -257,84 +325,72 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         stop = check_stop(body.stop)
         if prompt == "" or prompt == []:
             raise APIError(400, "empty prompt", param="prompt")
-        options = sampling_options(body, shape, max_tokens, stop)
-        # slots are taken here, one per choice, before any work, atomically (checking the engine's load instead let
-        # a burst through while its requests were being prepared); the engine gives each back when it answers
-        if not admission.take(body.n):
-            raise APIError(429, f"server busy: {config.max_concurrent} requests in flight, try again later",
-                           "rate_limit_error")
-        try:
-            requests, events, reply = await submit(prompt, method, options, body.n, body.seed, shape, arrived)
-        except BaseException:  # refused before the engine had them
-            admission.give_back(body.n)
-            raise
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(stream_events(requests, events, reply, include_usage), media_type="text/event-stream")
-        return JSONResponse(await collect(requests, events, reply, http))
+        return method, sampling_options(body, shape, max_tokens, stop)
 
-    async def submit(prompt, method: str, options: dict, n: int, seed: int | None, shape: Shape, arrived: float):
+    async def submit(self, prompt, method: str, options: dict, n: int, seed: int | None, shape: Shape, arrived: float):
         """Prepare the n sequences and hand them to the engine: (requests, their event queue, the reply shaper)."""
-        def start() -> tuple[list[Sequence], str]:
-            with engine.lock:  # the tokenizer and shared drafter state are the engine's while it steps
-                ids = prompt
-                if shape.described_tools:  # (tools.py)
-                    text = render_tool_prompt(config.tokenizer, prompt, shape.described_tools)
-                    ids = config.tokenizer(text, add_special_tokens=False).input_ids
-                sequences = []
-                try:
-                    for i in range(n):
-                        sequences.append(Sequence.start(config.model, config.tokenizer, ids, method=method,
-                                                        draft_model=config.draft_model,
-                                                        seed=None if seed is None else seed + i,
-                                                        **options, **methods[method]))
-                        if sequences[-1].prompt_tokens > config.max_prompt_tokens:
-                            raise APIError(400, f"prompt has {sequences[-1].prompt_tokens} tokens, over this server's "
-                                                f"limit of {config.max_prompt_tokens}", param="prompt")
-                except BaseException:
-                    for sequence in sequences:
-                        sequence.finish()
-                    raise
-                echo = "" if not shape.echo else prompt if isinstance(prompt, str) else config.tokenizer.decode(prompt)
-                return sequences, echo
-
         try:
-            sequences, echo = await asyncio.to_thread(start)
+            sequences, echo = await asyncio.to_thread(self.start_sequences, prompt, method, options, n, seed, shape)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
         except TemplateError as error:  # the chat template refused the conversation (e.g. the order of roles)
             raise APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        reply = Reply(config.model_name, method, shape, sequences[0].prompt_tokens, n, echo)
-
-        def emitter(index: int):
-            first_token = None
-
-            def emit(event) -> None:  # on the engine thread, which holds engine.lock: the tokenizer is free
-                nonlocal first_token
-                if isinstance(event, Chunk) and event.token_ids and first_token is None:
-                    first_token = time.monotonic()
-                if isinstance(event, GenerationResult):
-                    metrics.observe_request(arrived, first_token, time.monotonic(), len(event.token_ids))
-                if not isinstance(event, Chunk):  # the result or an error: the engine is done with the sequence
-                    admission.give_back()
-                logprobs = logprob_entries(config.tokenizer, None if isinstance(event, Exception) else event.logprobs)
-                loop.call_soon_threadsafe(events.put_nowait, (index, event, logprobs))
-
-            return emit
-
-        requests = [Request(sequence, emitter(i), method) for i, sequence in enumerate(sequences)]
+        reply = Reply(self.config.model_name, method, shape, sequences[0].prompt_tokens, n, echo)
+        requests = [Request(sequence, self.emitter(events, loop, arrived, i), method)
+                    for i, sequence in enumerate(sequences)]
         try:
-            engine.submit(*requests)
+            self.engine.submit(*requests)
         except RuntimeError as error:
-            with engine.lock:
+            with self.engine.lock:
                 for sequence in sequences:
                     sequence.finish()
             raise APIError(503, str(error), "server_error") from None
         return requests, events, reply
 
-    return app
+    def start_sequences(self, prompt, method: str, options: dict, n: int, seed: int | None,
+                        shape: Shape) -> tuple[list[Sequence], str]:
+        """The request's n sequences, choice i seeded with seed + i, and the prompt text to echo ("" if none)."""
+        config = self.config
+        with self.engine.lock:  # the tokenizer and shared drafter state are the engine's while it steps
+            ids = prompt
+            if shape.described_tools:  # (tools.py)
+                text = render_tool_prompt(config.tokenizer, prompt, shape.described_tools)
+                ids = config.tokenizer(text, add_special_tokens=False).input_ids
+            sequences = []
+            try:
+                for i in range(n):
+                    sequences.append(Sequence.start(config.model, config.tokenizer, ids, method=method,
+                                                    draft_model=config.draft_model,
+                                                    seed=None if seed is None else seed + i,
+                                                    **options, **self.methods[method]))
+                    if sequences[-1].prompt_tokens > config.max_prompt_tokens:
+                        raise APIError(400, f"prompt has {sequences[-1].prompt_tokens} tokens, over this server's "
+                                            f"limit of {config.max_prompt_tokens}", param="prompt")
+            except BaseException:
+                for sequence in sequences:
+                    sequence.finish()
+                raise
+            echo = "" if not shape.echo else prompt if isinstance(prompt, str) else config.tokenizer.decode(prompt)
+            return sequences, echo
+
+    def emitter(self, events: asyncio.Queue, loop: asyncio.AbstractEventLoop, arrived: float, index: int):
+        """The engine's callback for choice `index`: each event to the request's queue, with its logprob entries."""
+        first_token = None
+
+        def emit(event) -> None:  # on the engine thread, which holds engine.lock: the tokenizer is free
+            nonlocal first_token
+            if isinstance(event, Chunk) and event.token_ids and first_token is None:
+                first_token = time.monotonic()
+            if isinstance(event, GenerationResult):
+                self.metrics.observe_request(arrived, first_token, time.monotonic(), len(event.token_ids))
+            if not isinstance(event, Chunk):  # the result or an error: the engine is done with the sequence
+                self.admission.give_back()
+            logprobs = logprob_entries(self.config.tokenizer, None if isinstance(event, Exception) else event.logprobs)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event, logprobs))
+
+        return emit
 
 
 UNSUPPORTED_UNLESS_NEUTRAL = {  # field -> the values that mean "not used"

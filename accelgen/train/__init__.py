@@ -1,1 +1,2 @@
-"""Training on this CPU: what some methods need before they pay (LayerSkip's accurate early exits)."""
+"""Training on this CPU: what some methods need before they pay (trained heads, distilled drafts, LayerSkip's
+accurate early exits, CALM's calibrated threshold), and the `online` method, whose drafter also learns."""

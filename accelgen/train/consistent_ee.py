@@ -13,7 +13,7 @@ hard the token is:
   (h ≈ 0) are rewarded for leaving early, hard ones (h ≈ 1) for being right.
 
 The policy at each exit layer is a logistic regression on the hidden state. It is stored as the classifiers
-of an `ExitHeads` folder (train/exit_heads.py), so `consistent-ee` runs through `calm`'s runner with the
+of an `ExitHeads` folder (heads/exit_heads.py), so `consistent-ee` runs through `calm`'s runner with the
 policy's exit probability as the confidence. Given trained exit heads, their adapters are kept and the policy
 learns on top of them. Training is offline, on the hidden states of the dataset computed once:
 
@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
+from accelgen.heads.exit_heads import ExitHeads
 from accelgen.models.layerwise import exit_logits, llama_decoder
-from accelgen.train.exit_heads import ExitHeads
 
 
 def memorized_exits(agrees: torch.Tensor) -> torch.Tensor:

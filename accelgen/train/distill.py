@@ -1,5 +1,5 @@
 """Distilling a draft model toward its target: shared by DistillSpec (`accelgen train distillspec`,
-drafters/distillspec.py) and online speculative decoding (drafters/online.py).
+drafters/distillspec.py) and online speculative decoding (train/online.py).
 
 The draft is taught the target's next-token distribution at chosen positions of token sequences:
 
@@ -30,7 +30,6 @@ float32 for Qwen's 151,936 tokens, so a step holds batch × max_new_tokens rows 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +38,10 @@ from typing import Callable
 import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
+from accelgen.drafters.distillspec import DISTILLSPEC_FILE, model_fingerprint
 from accelgen.generate import generate
 
 DIVERGENCES = ("tvd", "fkl", "rkl")
-DISTILLSPEC_FILE = "distillspec.json"  # beside a distilled draft's weights: what it was distilled for
-FINGERPRINT_ROWS = 64  # embedding rows hashed to recognise a model
 
 
 # --- divergences ---
@@ -271,13 +269,6 @@ def sharegpt_training_prompts(count: int) -> list:
 
 
 # --- saving a distilled draft ---
-
-
-def model_fingerprint(model) -> str:
-    """A short hash of the model's first embedding rows, rounded to bfloat16 so that the same weights loaded in
-    float32 or bfloat16 give the same fingerprint."""
-    rows = model.get_input_embeddings().weight[:FINGERPRINT_ROWS].detach().to(torch.bfloat16).cpu()
-    return hashlib.sha1(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
 
 
 def distilled_for(target_model, target_name: str) -> dict:

@@ -1,18 +1,4 @@
-"""EAGLE heads (Li et al. 2024, arXiv:2401.15077), trained on this CPU with the target frozen.
-
-The target's *feature* f_t is its last hidden state at position t, after the final norm: what its LM head
-reads to guess token t + 1. The head is EAGLE's. It takes f_t and the embedding of the token x_{t+1} that
-followed, fuses them with fc (2d → d), and runs one Llama decoder layer to predict the next feature f_{t+1}.
-The target's own LM head then turns that prediction into a guess of x_{t+2}. While drafting, the head goes on
-autoregressively on its own predicted features (drafters/eagle.py).
-
-As in EAGLE, and in the layout vLLM loads (`accelgen export vllm`):
-
-- the layer has no input norm, because its input is made of normed features;
-- there is no final norm;
-- the target's embedding and LM head are shared and frozen.
-
-The layer is the target's shape: its width, heads, MLP size and rotary settings.
+"""Training an EAGLE head (heads/eagle.py) on this CPU, with the target frozen.
 
 `accelgen train eagle` works in three stages:
 
@@ -36,101 +22,19 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from accelgen.atomic import CorruptFileError, load_tensors, save_tensors_atomically
-from accelgen.cache import cache_keyword
+from accelgen.heads.eagle import EagleHead, new_head
+from accelgen.heads.lm_head import draft_vocabulary
 from accelgen.models.runner import additive_mask
-from accelgen.train.heads import load_heads, resume, run_settings, save_checkpoint, save_heads
-
-NAME = "eagle_head"
+from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
 FEATURES = "features.safetensors"  # the target's features and choices over the training windows
-
-
-def head_config(target_config):
-    """The LlamaConfig of a one-layer head shaped like the target's layers."""
-    from transformers import LlamaConfig
-
-    heads = target_config.num_attention_heads
-    config = LlamaConfig(
-        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-        intermediate_size=target_config.intermediate_size, num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-        hidden_act=target_config.hidden_act, rms_norm_eps=target_config.rms_norm_eps,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters=dict(target_config.rope_parameters), attention_bias=False,
-    )
-    config._attn_implementation = "sdpa"
-    return config
-
-
-class EagleHead(torch.nn.Module):
-    def __init__(self, config: dict, base_model: str = "", layer_count: int = 0, draft_vocab: int = 0):
-        """config: the head's LlamaConfig as a dict (`head_config(target.config).to_dict()`); draft_vocab: the
-        size of the vocabulary it drafts from (0: the whole vocabulary)."""
-        super().__init__()
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-        self.config = LlamaConfig(**config)
-        self.config._attn_implementation = "sdpa"
-        self.base_model, self.layer_count = base_model, layer_count
-        d = self.config.hidden_size
-        self.fc = torch.nn.Linear(2 * d, d, bias=False)
-        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
-        self.layer.input_layernorm = torch.nn.Identity()  # its input is made of normed features (EAGLE, vLLM)
-        self.rotary = LlamaRotaryEmbedding(self.config)
-        # the token ids drafts are drawn from (FR-Spec's idea: on a CPU the LM head is most of a draft step's
-        # cost, and a few thousand frequent tokens carry nearly all of the text); empty: all of them
-        self.register_buffer("vocab", torch.zeros(draft_vocab, dtype=torch.long))
-        with torch.no_grad():  # untrained, the head passes the feature through: training starts from there
-            self.fc.weight.zero_()
-            self.fc.weight[:, d:] = torch.eye(d)
-            self.layer.self_attn.o_proj.weight.zero_()
-            self.layer.mlp.down_proj.weight.zero_()
-
-    def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """(b, m, d) predicted features f_{t+1} from token_embeds (b, m, d) of x_{t+1} and features (b, m, d) f_t,
-        at positions (b, m); mask (b or 1, 1, m, cached + m) additive, None for a single token; cache: a
-        DynamicCache the new keys and values are appended to."""
-        hidden = self.fc(torch.cat([token_embeds, features], dim=-1).to(self.fc.weight.dtype))
-        return self.layer(hidden, attention_mask=mask, position_ids=positions, **{cache_keyword(self.layer): cache},
-                          use_cache=cache is not None, position_embeddings=self.rotary(hidden, positions))
-
-    def describe_shape(self) -> dict:
-        return {"hidden_size": self.config.hidden_size, "layer_count": self.layer_count,
-                "vocab_size": self.config.vocab_size, "intermediate_size": self.config.intermediate_size}
-
-    def save(self, folder) -> None:
-        save_heads(self, folder, NAME, {"config": self.config.to_dict(), "base_model": self.base_model,
-                                        "layer_count": self.layer_count, "draft_vocab": len(self.vocab)})
-
-    @classmethod
-    def load(cls, folder, model=None) -> "EagleHead":
-        head = load_heads(cls, folder, NAME, "accelgen train eagle", model)
-        return head if model is None else head.to(model.dtype)
-
-
-def draft_vocabulary(windows: torch.Tensor, choices: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """(min(size, vocab_size),) token ids to draft from: those of the data and the target's choices, most
-    frequent first, then the lowest ids not among them (a BPE vocabulary numbers its early, common merges first)."""
-    size = min(size, vocab_size)
-    counts = torch.bincount(torch.cat([windows.reshape(-1), choices.reshape(-1)]), minlength=vocab_size)
-    order = torch.sort(counts, descending=True, stable=True).indices  # ties: lower id first
-    return torch.sort(order[:size]).values
-
-
-def new_head(model) -> EagleHead:
-    """An untrained head for the target `model`."""
-    return EagleHead(head_config(model.config).to_dict(), str(getattr(model, "name_or_path", "")),
-                     model.config.num_hidden_layers)
 
 
 def whole_windows(length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,12 +85,13 @@ def saved_features(path: Path, windows: torch.Tensor, hidden_size: int):
 @dataclass
 class EagleConfig:
     steps: int = 600
-    batch_size: int = 4  # windows per step
+    batch_size: int = field(default=4, metadata={"help": "Windows per step."})
     learning_rate: float = 5e-4
-    ce_weight: float = 0.1  # EAGLE's weight of the classification loss
-    ce_positions: int = 256  # positions per step whose LM-head logits enter the cross-entropy
-    draft_vocab: int = 16384  # tokens the head drafts from (0: all)
-    noise: float = 0.1  # uniform noise of this half-width on the input features (EAGLE: 0.1)
+    ce_weight: float = field(default=0.1, metadata={"help": "Weight of the cross-entropy beside the feature loss."})
+    ce_positions: int = field(default=256, metadata={"help": "Positions per step in the cross-entropy."})
+    draft_vocab: int = field(default=16384, metadata={"help": "Tokens the head drafts from: the most frequent "
+                                                              "(0: the whole vocabulary)."})
+    noise: float = field(default=0.1, metadata={"help": "Half-width of the uniform noise on the input features."})
     checkpoint_every: int = 100
 
     def __post_init__(self):

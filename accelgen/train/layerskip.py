@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -45,10 +45,10 @@ class LayerSkipConfig:
     batch_size: int = 4
     seq_len: int = 256
     learning_rate: float = 2e-5
-    p_max: float = 0.1  # layer dropout of the last layer
-    exit_scale: float = 1.0  # e_scale
-    curriculum: str = "rotational"
-    rotation: int = 4  # rotational curriculum: every R-th layer's exit per step
+    p_max: float = field(default=0.1, metadata={"help": "Layer dropout of the last layer (lower layers less)."})
+    exit_scale: float = field(default=1.0, metadata={"help": "Weight of the early-exit losses (e_scale)."})
+    curriculum: str = field(default="rotational", metadata={"help": "rotational or gradual."})
+    rotation: int = field(default=4, metadata={"help": "rotational: exits of every R-th layer per step."})
     checkpoint_every: int = 50
     seed: int = 0
 

@@ -1,8 +1,4 @@
-"""PaSS look-ahead embeddings (Monea et al. 2023, arXiv:2311.13581), trained on this CPU with the target frozen.
-
-PaSS lets the target draft for itself. k trained vectors, the *look-ahead embeddings*, are fed after the
-last committed token in place of token embeddings. The target's logits at look-ahead slot i then guess the
-token i + 2 places after the committed text (the last token's own row guesses the next one, as always). Only
+"""Training PaSS look-ahead embeddings (heads/pass_embeddings.py) on this CPU, with the target frozen. Only
 the k × d look-ahead weights train; the model is untouched.
 
 Training (`accelgen train pass`), per step and for a batch of packed windows of the dataset:
@@ -20,39 +16,15 @@ Held-out windows give each slot's top-1 accuracy, and the mean number of slots a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from accelgen import cache as kv
+from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.layerwise import llama_decoder
 from accelgen.models.runner import blocking_mask
-from accelgen.train.heads import load_heads, save_heads
-
-NAME = "pass_embeddings"
-
-
-class LookaheadEmbeddings(torch.nn.Module):
-    def __init__(self, count: int, hidden_size: int, vocab_size: int = 0, base_model: str = "", layer_count: int = 0):
-        super().__init__()
-        if count < 1:
-            raise ValueError(f"PaSS needs at least one look-ahead embedding, got {count}")
-        self.hidden_size, self.vocab_size, self.base_model, self.layer_count = hidden_size, vocab_size, base_model, layer_count
-        self.vectors = torch.nn.Parameter(torch.zeros(count, hidden_size))  # (k, d)
-
-    def __len__(self) -> int:
-        return len(self.vectors)
-
-    def describe_shape(self) -> dict:
-        return {"hidden_size": self.hidden_size, "layer_count": self.layer_count, "vocab_size": self.vocab_size}
-
-    def save(self, folder) -> None:
-        save_heads(self, folder, NAME, {"count": len(self), "base_model": self.base_model, **self.describe_shape()})
-
-    @classmethod
-    def load(cls, folder, model=None) -> "LookaheadEmbeddings":
-        return load_heads(cls, folder, NAME, "accelgen train pass", model)
 
 
 def new_embeddings(model, count: int, seed: int = 0) -> LookaheadEmbeddings:
@@ -109,10 +81,11 @@ def slot_logits(model, embeddings: LookaheadEmbeddings, windows: torch.Tensor, c
 
 @dataclass
 class PassConfig:
-    count: int = 4  # look-ahead slots k
+    count: int = field(default=4, metadata={"help": "Look-ahead embeddings: slot i guesses the token i + 2 ahead.",
+                                            "names": ("-k",)})
     steps: int = 200
-    batch_size: int = 2  # windows per step
-    cuts: int = 16  # positions per window the slots are appended at
+    batch_size: int = field(default=2, metadata={"help": "Windows per step."})
+    cuts: int = field(default=16, metadata={"help": "Positions per window the slots are appended at."})
     learning_rate: float = 3e-3
 
     def __post_init__(self):

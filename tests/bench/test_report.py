@@ -109,13 +109,13 @@ def test_the_console_table_never_cuts_a_method_name(tmp_path, monkeypatch, capsy
     """Whole on a wide console; folded onto more lines, never ending in '…', on a narrow one."""
     from rich.console import Console
 
-    import accelgen.cli
-    from accelgen.bench.cli import print_summary
+    import accelgen.cli.bench
+    from accelgen.cli.bench import print_summary
 
     records = mixed_records()[:2]
     records[1]["method"] = LONG_NAME
     results = report.render(write_run(tmp_path / "run", run_info(["hf-greedy", LONG_NAME], {}), records))
-    monkeypatch.setattr(accelgen.cli, "table_console", lambda: Console(width=width))
+    monkeypatch.setattr(accelgen.cli.bench, "table_console", lambda: Console(width=width))
     print_summary(results, tmp_path / "run")
     lines = capsys.readouterr().out.splitlines()
     method_cells = [line.split("│")[1].strip() for line in lines if line.startswith("│")]

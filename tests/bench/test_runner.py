@@ -15,7 +15,8 @@ from accelgen.bench import methods, report, runner
 from accelgen.bench.runner import BenchConfig
 from accelgen.cli import app
 from accelgen.draft import Draft
-from accelgen.registry import MethodSpec
+from accelgen.drafters.base import Drafter
+from accelgen.registry import MethodSpec, Part
 
 PNG_MAGIC = b"\x89PNG"
 ALL_PEERS = ["hf-greedy", "hf-assisted", "hf-prompt-lookup", "autoregressive", "speculative"]
@@ -73,7 +74,7 @@ def test_bench_writes_results_report_and_plots(tmp_path, prompts_file, tiny_targ
 FAVOURITE_TOKEN = 42
 
 
-class FavouriteTokenDrafter:
+class FavouriteTokenDrafter(Drafter):
     """Drafts nothing, but while the target scores each step it boosts one token: a stand-in for a buggy method."""
 
     def __init__(self, target_model):
@@ -93,13 +94,19 @@ def boost_favourite(module, args, output):
     return output
 
 
-@pytest.fixture
-def wrong_method(monkeypatch):
+def register_wrong_method(monkeypatch) -> str:
+    """Register a method that breaks its lossless claim, until `monkeypatch` is undone; returns its name."""
     accelgen.registry.list_methods()  # load the built-in methods first
     spec = MethodSpec(name="bench-test-wrong", family="speculative", lossless="greedy-exact", paper="-",
-                      summary="claims greedy-exact, is not", make_drafter=lambda target_model, **_: FavouriteTokenDrafter(target_model))
+                      summary="claims greedy-exact, is not",
+                      drafter=Part(lambda build, options: FavouriteTokenDrafter(build.target_model)))
     monkeypatch.setitem(accelgen.registry._METHODS, spec.name, spec)  # removed again after the test
     return spec.name
+
+
+@pytest.fixture
+def wrong_method(monkeypatch):
+    return register_wrong_method(monkeypatch)
 
 
 def test_wrong_method_is_caught_and_audited(tmp_path, prompts_file, tiny_target, tokenizer, wrong_method):
@@ -115,7 +122,13 @@ def test_wrong_method_is_caught_and_audited(tmp_path, prompts_file, tiny_target,
 
 
 def test_wrong_method_is_gone_after_the_test():
-    assert "bench-test-wrong" not in {spec.name for spec in accelgen.registry.list_methods()}
+    def listed() -> set[str]:
+        return {spec.name for spec in accelgen.registry.list_methods()}
+
+    with pytest.MonkeyPatch.context() as monkeypatch:  # what the fixture's monkeypatch does around a test
+        name = register_wrong_method(monkeypatch)
+        assert name in listed()
+    assert name not in listed()
 
 
 class Interrupt(Exception):
@@ -236,14 +249,6 @@ def test_bad_variants_are_named(name, message):
         methods.resolve_methods([name], {"draft_model"}, 0)
 
 
-def test_method_lists_keep_bracketed_option_values_whole():
-    from accelgen.bench.cli import split_list
-
-    assert split_list("a, specinfer@paths=[[0],[1],[0,0]]+dynamic=false,b") == [
-        "a", "specinfer@paths=[[0],[1],[0,0]]+dynamic=false", "b"]
-    assert split_list("") is None
-
-
 def test_llma_copies_from_the_prompt_when_no_references_are_given(smollm):
     model, tokenizer = smollm
     chosen, _ = methods.resolve_methods(["llma"], runner.PROMPT_RESOURCES, 0)
@@ -272,18 +277,6 @@ def test_hf_committed_per_step_from_cache_lengths():
     assert counter.committed_per_step(prompt_length=10, new_tokens=6) == [2, 2, 2]
     counter.cache_lengths = [0, None, 13]
     assert counter.committed_per_step(10, 6) is None
-
-
-def test_parse_method_options():
-    from accelgen.bench.cli import parse_method_options
-
-    assert parse_method_options(["speculative.gamma=8", "speculative.gamma_schedule=heuristic", "hf-assisted.num-assistant-tokens=5"]) == {
-        "speculative": {"gamma": 8, "gamma_schedule": "heuristic"}, "hf-assisted": {"num_assistant_tokens": 5}}
-    with pytest.raises(ValueError, match="method.name=value"):
-        parse_method_options(["gamma=8"])
-    # values follow the option's declared type: auto's workload is a word, even one that reads as a number
-    assert parse_method_options(["auto.workload=2024", "pld.max_ngram=2"]) == {
-        "auto": {"workload": "2024"}, "pld": {"max_ngram": 2}}
 
 
 def test_variant_values_follow_the_option_type():
@@ -344,7 +337,7 @@ def test_rows_in_their_own_format_are_checked_against_that_formats_autoregressiv
         quantize(model, weights)
         return model, tokenizer
 
-    monkeypatch.setattr(runner.accelgen, "load_model", load_quantized)
+    monkeypatch.setattr(runner, "load_model", load_quantized)
     results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_target,
                              methods=["autoregressive", "autoregressive@weights=int8", "speculative@weights=int8",
                                       "speculative@weights=int8+draft_weights=int4"])

@@ -4,7 +4,6 @@ model that falls into a cycle, a SmolLM2 copy task, and a check that sampling ke
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -25,33 +24,6 @@ def code():
 def copy_prompt(code):
     """The copy task for SmolLM2: the answer repeats the prompt's code, so copy-based drafts get accepted."""
     return [{"role": "user", "content": "Repeat this Python code exactly, then explain it in one sentence.\n\n" + code}]
-
-
-@pytest.fixture
-def one_thread():
-    """Small models run fastest on one thread, and many times faster when other processes share the cores
-    (idle OpenMP threads spin); every result is compared with a baseline computed the same way. Test modules
-    opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def greedy():
-    """greedy(model, tokenizer, prompt, max_new_tokens): the `autoregressive` result, computed once per model
-    and prompt: a shorter request gets the first tokens of a longer run (greedy output is a prefix of itself)."""
-    results = {}
-
-    def run(model, tokenizer, prompt, max_new_tokens):
-        key = (id(model), repr(prompt))
-        known = results.get(key)
-        if known is None or (len(known.token_ids) < max_new_tokens and known.finish_reason == "length"):
-            known = results[key] = accelgen.generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
-        return dataclasses.replace(known, token_ids=known.token_ids[:max_new_tokens])
-
-    return run
 
 
 @pytest.fixture(scope="session")

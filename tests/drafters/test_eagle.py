@@ -7,8 +7,9 @@ import torch
 
 import accelgen
 from accelgen.drafters.eagle import EagleScorer
+from accelgen.heads.eagle import EagleHead, new_head
 from accelgen.models.runner import ModelRunner
-from accelgen.train.eagle import EagleConfig, EagleHead, collect_features, new_head, train_eagle
+from accelgen.train.eagle import EagleConfig, collect_features, train_eagle
 from accelgen.train.layerskip import packed_windows
 
 pytestmark = pytest.mark.usefixtures("one_thread")

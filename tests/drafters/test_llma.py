@@ -6,7 +6,8 @@ import torch
 import accelgen
 from accelgen.draft import ROOT
 from accelgen.drafters.llma import ReferenceDrafter, index_references, reference_token_ids, span_after
-from accelgen.sampling import SamplingConfig
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.llma import ReferenceOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,9 +66,8 @@ def test_bad_options_are_refused(options):
 
 
 def test_factory_tokenizes_text_when_given_the_tokenizer(tiny_target, tokenizer):
-    make = accelgen.get_method("llma").make_drafter
-    drafter = make(tiny_target, draft_model=None, sampling=SamplingConfig(), generator=None, tokenizer=tokenizer,
-                   references=["a + b"])
+    make = accelgen.get_method("llma").drafter.make
+    drafter = make(BuildContext(tiny_target, tokenizer=tokenizer), ReferenceOptions(references=["a + b"]))
     assert drafter.index.tokens[:-1] == tokenizer("a + b", add_special_tokens=False).input_ids
 
 

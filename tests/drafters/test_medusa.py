@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import accelgen
+from accelgen.heads.medusa import MedusaHeads
 from accelgen.train.eagle import collect_features
-from accelgen.train.medusa import MedusaConfig, MedusaHeads, train_medusa
+from accelgen.train.medusa import MedusaConfig, train_medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

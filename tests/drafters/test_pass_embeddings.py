@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import accelgen
+from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.runner import ModelRunner
-from accelgen.train.pass_embeddings import LookaheadEmbeddings, new_embeddings
+from accelgen.train.pass_embeddings import new_embeddings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,18 +75,17 @@ def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_t
 
 def test_the_drafting_forward_leaves_the_cache_as_it_was(tiny_target, tmp_path):
     from accelgen.drafters.pass_embeddings import PassDrafter
+    from accelgen.generate import draft_with_target
     from accelgen.sampling import SamplingConfig
 
     runner = ModelRunner(tiny_target)
     runner.forward(torch.tensor(PROMPT[:-1]))
     drafter = PassDrafter(new_embeddings(tiny_target, 3), SamplingConfig(), None)
-    drafter.attach(runner)
-    draft = drafter.propose(torch.tensor(PROMPT), max_nodes=3)
+    draft = draft_with_target(runner, drafter, torch.tensor(PROMPT), max_nodes=3)
     assert len(draft) == 3 and runner.length == len(PROMPT) - 1
     assert int(draft.tokens[0]) == int(tiny_target(torch.tensor([PROMPT])).logits[0, -1].argmax())
     fresh = ModelRunner(tiny_target)  # on the first step the prompt is read in the drafting forward, and kept
-    drafter.attach(fresh)
-    assert drafter.propose(torch.tensor(PROMPT), max_nodes=3).tokens.tolist() == draft.tokens.tolist()
+    assert draft_with_target(fresh, drafter, torch.tensor(PROMPT), max_nodes=3).tokens.tolist() == draft.tokens.tolist()
     assert fresh.length == len(PROMPT) - 1
     with pytest.raises(ValueError, match="follow a chain, not a tree"):
         runner.forward(torch.tensor([5]), tree=torch.ones(1, 1, dtype=torch.bool), appended=drafter.embeddings.vectors)

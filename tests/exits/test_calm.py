@@ -8,8 +8,9 @@ import torch
 
 import accelgen
 from accelgen.exits.calm import CALIBRATION_FILE, default_exit_layers, make_rule, saturation, softmax_response
-from accelgen.prompts import encode_prompt
 from accelgen.models.early_exit import EarlyExitRunner
+from accelgen.prompts import encode_prompt
+from accelgen.sampling import SamplingConfig, logits_to_probs, sample
 
 CHAT = [{"role": "user", "content": "Write a Python function that returns the squares of a list."}]
 
@@ -64,10 +65,22 @@ def test_lower_thresholds_exit_earlier(smollm, measure, thresholds):
 
 
 def test_sampling_from_the_exit(smollm):
+    """Sampled tokens are draws from the exit's distribution. With threshold 0 and one exit layer every decoded
+    token leaves after layer 15, whose cache is then exact: the exit's logits are the full forward's layer-15
+    state read through the final norm and LM head (the first token comes from the prompt's full-depth forward)."""
     model, tokenizer = smollm
-    result = accelgen.generate(model, tokenizer, CHAT, method="calm", max_new_tokens=8, temperature=0.8, seed=1,
-                               threshold=0.5)
-    assert len(result.token_ids) == 8 and result.stats["mean_layers"] < 30
+    result = accelgen.generate(model, tokenizer, CHAT, method="calm", max_new_tokens=8, temperature=1.0, seed=2,
+                               threshold=0.0, exit_layers=[15], output_scores=True)
+    assert len(result.token_ids) == 8 and result.stats["mean_layers"] == 16
+    prompt = encode_prompt(tokenizer, CHAT)
+    with torch.inference_mode():
+        output = model(torch.tensor([prompt + result.token_ids[:-1]]), output_hidden_states=True)
+    exits = model.lm_head(model.model.norm(output.hidden_states[16][0, len(prompt):]))  # (7, vocab)
+    logits = torch.cat([output.logits[0, len(prompt) - 1 : len(prompt)], exits]).float()  # (8, vocab)
+    torch.testing.assert_close(result.scores, logits, rtol=1e-4, atol=1e-4)
+    assert result.token_ids != logits.argmax(dim=-1).tolist()  # sampled: this seed draws some unlikelier tokens
+    generator = torch.Generator().manual_seed(2)  # generate's draws, one per step, from those distributions
+    assert [sample(logits_to_probs(row, SamplingConfig(1.0)), generator) for row in logits] == result.token_ids
 
 
 def test_calibrated_threshold_is_read_from_beside_the_model(tiny_target, tokenizer, tmp_path, monkeypatch):

@@ -12,7 +12,9 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 def test_the_hash_is_fixed_and_spreads_tokens_evenly():
     layers = (15, 22, 29)
-    assert [hashed_exit_layer(token, layers) for token in range(5)] == [hashed_exit_layer(t, layers) for t in range(5)]
+    # Knuth's multiplicative hash, token * 2654435761 mod 2^32, picks the layer: pinned, so no run or process differs
+    assert [hashed_exit_layer(token, layers) for token in range(10)] == [15, 22, 22, 29, 29, 29, 15, 15, 22, 22]
+    assert [hashed_exit_layer(token, layers) for token in (12345, 30000, 49151)] == [15, 29, 22]
     counts = Counter(hashed_exit_layer(token, layers) for token in range(30000))
     assert set(counts) == set(layers) and min(counts.values()) > 9000
 

@@ -23,7 +23,7 @@ from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.models.layer_skip import LayerSkipRunner
 from accelgen.models.layouts import DECODER_LAYOUTS
 from accelgen.models.runner import ModelRunner
-from accelgen.train.medusa import MedusaHeads
+from accelgen.heads.medusa import MedusaHeads
 
 VOCAB = 1024
 PROMPT = [5, 17, 923, 410, 77, 12, 5, 17, 923]  # repeats itself, so that n-gram drafts find matches

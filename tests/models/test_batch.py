@@ -54,11 +54,24 @@ def test_batched_forward_equals_separate_forwards(make_tiny_model, kind, assert_
         assert_reordered(have, want)
 
 
-def test_batch_of_one_is_the_runner_itself(tiny_target):
-    runner = runner_after(tiny_target, [5, 6, 7])
+def test_batch_of_one_is_the_runner_itself(tiny_target, assert_reordered, monkeypatch):
+    """A batch of one sequence is handed to its runner's own forward; the batched path it skips gives the same
+    logits and cache for rows without padding (two equal sequences sharing one forward)."""
+    block = (torch.tensor([8, 9]), None, 2)
     reference = runner_after(tiny_target, [5, 6, 7])
-    torch.testing.assert_close(batched_forward([runner], [(torch.tensor([8, 9]), None, 2)])[0],
-                               reference.forward(torch.tensor([8, 9]), logits_for_last=2))
+    expected = reference.forward(*block)
+    runner = runner_after(tiny_target, [5, 6, 7])
+    calls = []
+    own_forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda *args: calls.append(args) or own_forward(*args))
+    [alone] = batched_forward([runner], [block])
+    assert calls == [block]
+    torch.testing.assert_close(alone, expected)
+    pair = [runner_after(tiny_target, [5, 6, 7]) for _ in range(2)]
+    for logits, batched in zip(batched_forward(pair, [block, block]), pair):
+        assert logits.shape == expected.shape
+        assert_reordered(logits, expected)
+        assert_same_cache(reference, batched, assert_reordered)
 
 
 def test_stack_and_split_round_trip(tiny_target):

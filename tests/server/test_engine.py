@@ -201,8 +201,8 @@ def test_requests_drafting_from_the_targets_features_share_a_batch(tiny_target, 
     """EAGLE and Medusa read the target's hidden states, and PaSS drafts with a target forward, so they take
     forwards of their own beside the batch; with long prompts prefilled in chunks, the EAGLE head still sees the
     features of every chunk, and PaSS's drafting forward reads the last chunk."""
-    from accelgen.train.eagle import new_head
-    from accelgen.train.medusa import MedusaHeads
+    from accelgen.heads.eagle import new_head
+    from accelgen.heads.medusa import MedusaHeads
     from accelgen.train.pass_embeddings import new_embeddings
 
     new_head(tiny_target).save(tmp_path / "eagle")

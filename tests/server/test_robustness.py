@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from accelgen.cli import app as cli_app
 from accelgen.server.app import MAX_STOP_CHARS, create_app
-from accelgen.server.cli import started_server
+from accelgen.cli.loadtest import started_server
 from accelgen.server.engine import Engine
 from accelgen.server.metrics import Metrics
 

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 import accelgen
 from accelgen.cli import app
+from accelgen.heads.eagle import new_head
 from accelgen.train import eagle
+from accelgen.train.eagle import EagleConfig, collect_features, evaluate_eagle, train_eagle
 from accelgen.train.layerskip import packed_windows
-from accelgen.train.eagle import (EagleConfig, collect_features, draft_vocabulary, evaluate_eagle, new_head,
-                                  train_eagle, whole_windows)
 
 
 SMALL = dict(batch_size=4, learning_rate=1e-2, ce_weight=1.0, noise=0.0, draft_vocab=0)
@@ -29,18 +29,10 @@ def data(tiny_target, tokenizer):
     return (windows, *collect_features(tiny_target, windows))
 
 
-def test_an_untrained_head_passes_the_feature_through(tiny_target, data):
-    windows, features, _ = data
-    head = new_head(tiny_target)
-    length = windows.shape[1]
-    output = head(tiny_target.get_input_embeddings()(windows[:2]), features[:2], *whole_windows(length))
-    assert torch.allclose(output, features[:2], atol=1e-5)
-
-
 def test_training_beats_the_untrained_head_on_held_out_windows(smollm):
     """SmolLM2 on ShareGPT text: a few seconds of training make the head's guesses of the model's next choice on
     windows it never saw better than the untrained head's."""
-    from accelgen.datastore_cli import dataset_texts
+    from accelgen.cli.datastore import dataset_texts
 
     model, tokenizer = smollm
     windows = packed_windows(tokenizer, dataset_texts("sharegpt"), seq_len=64, count=24)
@@ -83,13 +75,6 @@ def test_a_damaged_feature_cache_is_computed_again(tiny_target, data, tmp_path, 
     assert torch.equal(again[0], features) and torch.equal(again[1], choices)
     assert f"{path} is unreadable" in capsys.readouterr().err  # the warning names the file
     assert torch.equal(load_file(path)["features"], features)  # and it is whole again
-
-
-def test_the_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
-    windows = torch.tensor([[7, 7, 7, 5, 5, 9]])
-    choices = torch.tensor([[9, 9, 9, 9, 7, 5]])
-    assert draft_vocabulary(windows, choices, vocab_size=20, size=5).tolist() == [0, 1, 5, 7, 9]
-    assert len(draft_vocabulary(windows, choices, vocab_size=20, size=50)) == 20
 
 
 def test_the_command_trains_a_head_that_generate_uses(command_inputs, tokenizer, tmp_path):

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 import accelgen
 from accelgen.cli import app
-from accelgen.train.exit_heads import (ExitHeads, collect_hidden_states, evaluate_exit_heads, train_exit_heads)
+from accelgen.heads.exit_heads import ExitHeads
+from accelgen.train.exit_heads import collect_hidden_states, evaluate_exit_heads, train_exit_heads
 from accelgen.train.layerskip import packed_windows
 
 PROMPT = [5, 17, 923, 4410, 77, 12]
@@ -27,15 +28,6 @@ def trained(four_layers, tokenizer):
     hidden = collect_hidden_states(four_layers, windows, [1, 2])
     heads = train_exit_heads(four_layers, hidden, [1, 2], rank=16, steps=60, batch_size=64, learning_rate=1e-2)
     return heads, hidden
-
-
-def test_untrained_heads_are_the_plain_exit(four_layers, tokenizer, tmp_path):
-    ExitHeads([1, 2], 64, 8, layer_count=4, vocab_size=49152).save(tmp_path / "fresh")
-    plain = accelgen.generate(four_layers, tokenizer, PROMPT, method="calm", max_new_tokens=8, threshold=0.0,
-                              exit_layers=[1])
-    headed = accelgen.generate(four_layers, tokenizer, PROMPT, method="calm", max_new_tokens=8, threshold=0.0,
-                               exit_layers=[1], heads=str(tmp_path / "fresh"))
-    assert headed.token_ids == plain.token_ids and headed.stats["mean_layers"] == 2
 
 
 def test_training_makes_the_adapted_exit_agree_more(four_layers, trained):

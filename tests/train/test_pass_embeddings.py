@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.runner import ModelRunner
-from accelgen.train.pass_embeddings import (LookaheadEmbeddings, PassConfig, evaluate_pass, lookahead_layout,
-                                            new_embeddings, random_cuts, slot_logits, train_pass)
+from accelgen.train.pass_embeddings import (PassConfig, evaluate_pass, lookahead_layout, new_embeddings, random_cuts,
+                                            slot_logits, train_pass)
 
 
 def test_each_cut_sees_its_window_prefix_and_its_own_earlier_slots():

@@ -1,4 +1,4 @@
-"""`accelgen bench` and `accelgen bench-report`, registered onto the main typer app."""
+"""`accelgen bench` and `accelgen bench-report`: benchmark methods against HF greedy decoding, and render the report."""
 
 from __future__ import annotations
 
@@ -9,44 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
+from accelgen.cli.common import DTYPE_HELP, console, reported_errors, require_modules, table_console
+from accelgen.method_options import parse_method_options, split_list
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
-from accelgen.bench.methods import VARIANT
-from accelgen.registry import parse_method_option
-
-console = Console(stderr=True)
-
-
-def parse_method_options(pairs: list[str]) -> dict[str, dict]:
-    """['speculative.gamma=8', 'hf-assisted.num_assistant_tokens=5'] -> {'speculative': {'gamma': 8}, ...}
-    (values as JSON where they parse, else text)."""
-    options: dict[str, dict] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        method, dot, name = key.rpartition(".")
-        if not sep or not dot or not method or not name:
-            raise ValueError(f"method option {pair!r} must look like method.name=value, e.g. speculative.gamma=8")
-        name = name.replace("-", "_")
-        options.setdefault(method, {})[name] = parse_method_option(method.partition(VARIANT)[0], name, value)
-    return options
-
-
-def split_list(text: Optional[str]) -> Optional[list[str]]:
-    """'a, b@x=[1,2], c' -> ['a', 'b@x=[1,2]', 'c']: a comma inside brackets belongs to an option value."""
-    if not text:
-        return None
-    items, current, depth = [], "", 0
-    for char in text:
-        depth += (char == "[") - (char == "]")
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    return [item.strip() for item in items + [current] if item.strip()]
 
 
 def default_out_dir(dataset: str, model: str) -> Path:
@@ -81,11 +49,6 @@ class ProgressView:
         self.progress.update(self.task, advance=1, speedups=speedups)
 
 
-def register(app: typer.Typer) -> None:
-    app.command("bench")(bench)
-    app.command("bench-report")(bench_report)
-
-
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Target model: embedded name, HF id, local folder or .gguf file."),
     dataset: str = typer.Option(..., "--dataset", help="humaneval, humaneval-long (about 2k-token contexts), sharegpt, "
@@ -99,7 +62,7 @@ def bench(
     temperature: float = typer.Option(0.0, help="0 = greedy (outputs are checked against hf-greedy)."),
     seed: int = typer.Option(0, help="Sampling seed of the first prompt (prompt i uses seed + i)."),
     threads: int = typer.Option(2, min=1, help="torch CPU threads, fixed for the whole run."),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bfloat16 for embedded models)."),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP + " Rows may set their own: "
                                           "autoregressive@weights=int8."),
@@ -115,13 +78,11 @@ def bench(
 ):
     """Benchmark methods against HF greedy decoding on a dataset: speed, τ, identical output; resumable."""
     from accelgen.bench import report, runner
-    from accelgen.cli import require_modules
-    from accelgen.models import load_model
 
     require_modules("rouge_score")  # scores every record (accelgen.quality), imported only then: check it first
 
     command = "accelgen " + shlex.join(sys.argv[1:])
-    try:
+    with reported_errors():
         config = runner.BenchConfig(
             model=model, dataset=dataset, draft=draft, dtype=dtype, draft_dtype=draft_dtype or dtype,
             weights=weights, draft_weights=draft_weights,
@@ -133,12 +94,7 @@ def bench(
         for note in bench_plan.notes:
             console.print(f"[dim]{note}[/dim]")
         out_dir = out or default_out_dir(dataset, model)
-        with console.status(f"loading {model} …"):
-            target_model, tokenizer = load_model(model, dtype=dtype, weights=weights, threads=threads)
-        draft_model = None
-        if draft:
-            with console.status(f"loading {draft} …"):
-                draft_model = load_model(draft, dtype=config.draft_dtype, weights=draft_weights, threads=threads)[0]
+        target_model, tokenizer, draft_model = load_bench_models(config)
         console.print(f"{len(bench_plan.prompts)} prompts × {len(bench_plan.methods)} methods "
                       f"({', '.join(m.name for m in bench_plan.methods)}) → {out_dir}")
         total = len(bench_plan.prompts) * len(bench_plan.methods)
@@ -148,27 +104,35 @@ def bench(
             runner.run(bench_plan, target_model, tokenizer, out_dir, draft_model, overwrite=overwrite, command=command,
                        progress=view.update if view else None, execute=execute)
         results = report.render(out_dir)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2)
     print_summary(results, out_dir)
+
+
+def load_bench_models(config):
+    """(target, tokenizer, draft model or None) in the run's formats, on its fixed thread count."""
+    from accelgen.models import load_model
+
+    with console.status(f"loading {config.model} …"):
+        target_model, tokenizer = load_model(config.model, dtype=config.dtype, weights=config.weights,
+                                             threads=config.threads)
+    if not config.draft:
+        return target_model, tokenizer, None
+    with console.status(f"loading {config.draft} …"):
+        draft_model = load_model(config.draft, dtype=config.draft_dtype, weights=config.draft_weights,
+                                 threads=config.threads)[0]
+    return target_model, tokenizer, draft_model
 
 
 def bench_report(folder: Path = typer.Argument(..., help="A results folder written by `accelgen bench`.")):
     """Re-render results.json, report.md and the plots of a benchmark folder from its saved records."""
     from accelgen.bench import report
 
-    try:
+    with reported_errors((ValueError, FileNotFoundError)):
         results = report.render(folder)
-    except (ValueError, FileNotFoundError) as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2)
     print_summary(results, folder)
 
 
 def print_summary(results: dict, out_dir: Path) -> None:
     from accelgen.bench.report import REPORT_FILE, weights_cell
-    from accelgen.cli import table_console
 
     overall = results["aggregates"].get("overall", {})
     greedy = results["config"]["temperature"] == 0

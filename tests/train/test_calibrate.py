@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from accelgen.exits.calibrate import calibrate_calm, hoeffding_bentkus_p_value, learn_then_test
+from accelgen.train.calibrate import calibrate_calm, hoeffding_bentkus_p_value, learn_then_test
 
 
 def test_p_value_is_the_smaller_of_the_hoeffding_and_bentkus_bounds():

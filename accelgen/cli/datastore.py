@@ -14,6 +14,10 @@ from typing import Iterator, Optional
 
 import typer
 
+from accelgen.cli.common import FILE_ERRORS, console, reported_errors
+
+datastore_app = typer.Typer(no_args_is_help=True, help="Retrieval datastores for the `rest` method.")
+
 
 def sharegpt_texts(limit: Optional[int] = None) -> Iterator[str]:
     """Assistant turns of ShareGPT conversations (what a chat model's drafts should look like).
@@ -83,33 +87,22 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def register(app: typer.Typer) -> None:
-    datastore_app = typer.Typer(no_args_is_help=True, help="Retrieval datastores for the `rest` method.")
+@datastore_app.command("build")
+def build(
+    model: str = typer.Option(..., "--model", "-m", help="Model whose tokenizer the datastore is for."),
+    dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to write the datastore into."),
+    limit: Optional[int] = typer.Option(None, help="Use only the first LIMIT conversations / lines."),
+    sort_depth: int = typer.Option(64, "--sort-depth", help="Longest lookup the datastore promises (rest's max_query may not exceed it)."),
+):
+    """Tokenize a corpus and save it with its suffix array (use it with --method rest -o datastore=OUT)."""
+    from accelgen.drafters.rest import build_datastore
 
-    @datastore_app.command("build")
-    def build(
-        model: str = typer.Option(..., "--model", "-m", help="Model whose tokenizer the datastore is for."),
-        dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
-        out: Path = typer.Option(..., "--out", "-o", help="Folder to write the datastore into."),
-        limit: Optional[int] = typer.Option(None, help="Use only the first LIMIT conversations / lines."),
-        sort_depth: int = typer.Option(64, "--sort-depth", help="Longest lookup the datastore promises (rest's max_query may not exceed it)."),
-    ):
-        """Tokenize a corpus and save it with its suffix array (use it with --method rest -o datastore=OUT)."""
-        from rich.console import Console
-
-        from accelgen.drafters.rest import build_datastore
-
-        console = Console(stderr=True)
-        try:
-            texts = dataset_texts(dataset, limit)
-            tokenizer = load_tokenizer(model)
-            meta = build_datastore(tokenizer, texts, out, sort_depth=sort_depth, tokenizer_name=model)
-        except (ValueError, FileNotFoundError, OSError) as error:
-            console.print(f"[red]error:[/red] {error}")
-            raise typer.Exit(2)
-        console.print(
-            f"datastore {out}: {meta['texts']} texts, {meta['tokens']:,} tokens, "
-            f"{meta['bytes'] / 2**20:.1f} MiB, built in {meta['build_seconds']:.1f}s"
-        )
-
-    app.add_typer(datastore_app, name="datastore")
+    with reported_errors(FILE_ERRORS):
+        texts = dataset_texts(dataset, limit)
+        tokenizer = load_tokenizer(model)
+        meta = build_datastore(tokenizer, texts, out, sort_depth=sort_depth, tokenizer_name=model)
+    console.print(
+        f"datastore {out}: {meta['texts']} texts, {meta['tokens']:,} tokens, "
+        f"{meta['bytes'] / 2**20:.1f} MiB, built in {meta['build_seconds']:.1f}s"
+    )

@@ -1,6 +1,9 @@
 """Online speculative decoding (Liu et al. 2023, arXiv:2310.07177): the draft model keeps learning from
 the target while serving, on the positions where the target rejected its drafts.
 
+The method lives here, beside the distillation it runs (train/distill.py), because its drafter is also a
+learner: nothing below the trainers may import training code.
+
 Drafting is `speculative`'s (OnlineDrafter is a DraftModelDrafter). After each verification, a rejected draft
 is recorded in an `OnlineLearner`: the committed context up to the rejected token, and the target's
 distribution at that position, which the verifier's logits already hold. Only the k most likely tokens of that
@@ -39,9 +42,10 @@ import torch
 
 from accelgen.atomic import save_figure_atomically
 from accelgen.draft import Draft, Verdict
-from accelgen.drafters.draft_model import DRAFTING_OPTIONS, DraftModelDrafter, check_vocabularies, scheduled
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, check_vocabularies, scheduled
 from accelgen.generate import generate
-from accelgen.registry import MethodSpec, register
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.train.distill import Example, check_divergence, distillation_step, trainable_parameters
 
 
@@ -183,10 +187,30 @@ class OnlineDrafter(DraftModelDrafter):
             self.learner.end_request(**self.learning)
 
 
-def _make(target_model, *, draft_model, sampling, generator, tokenizer=None, learner=None, **options):
-    check_vocabularies(target_model, draft_model)
-    drafter = OnlineDrafter(draft_model, OnlineLearner() if learner is None else learner, sampling, generator, **options)
-    return scheduled(drafter, target_model, draft_model)
+@dataclass(frozen=True)
+class LearningOptions(MethodOptions):
+    learner: object = None  # an OnlineLearner shared across calls (None: one for this request alone)
+    interval: int = 5  # requests between updates
+    buffer_size: int = 512  # rejected positions kept
+    divergence: str = "fkl"
+    learning_rate: float = 1e-5
+    update_steps: int = 4  # optimizer steps per update
+    target_top_k: int = 32  # target probabilities kept per rejected position
+    train_layers: int | None = None  # the draft's last layers trained (None: all)
+
+
+@dataclass(frozen=True)
+class OnlineOptions(DraftingOptions, LearningOptions):
+    """The learning options, then speculative's drafting ones (a dataclass lists its last base's fields first)."""
+
+
+def _make(build: BuildContext, options: OnlineOptions) -> OnlineDrafter:
+    check_vocabularies(build.target_model, build.draft_model)
+    settings = options.as_dict()
+    learner = settings.pop("learner")
+    drafter = OnlineDrafter(build.draft_model, OnlineLearner() if learner is None else learner, build.sampling,
+                            build.generator, **settings)
+    return scheduled(drafter, build.target_model, build.draft_model)
 
 
 register(
@@ -197,10 +221,8 @@ register(
         paper="Liu et al. 2023, arXiv:2310.07177",
         summary="speculative decoding whose draft model keeps distilling, between requests, on the positions the "
                 "target rejected; share the learner across calls via learner=",
-        make_drafter=_make,
+        drafter=Part(_make, OnlineOptions),
         needs=("draft_model",),
-        options={"learner": None, "interval": 5, "buffer_size": 512, "divergence": "fkl", "learning_rate": 1e-5,
-                 "update_steps": 4, "target_top_k": 32, "train_layers": None, **DRAFTING_OPTIONS},
     )
 )
 

@@ -6,9 +6,9 @@ import torch
 from fastapi.testclient import TestClient
 
 import accelgen
-from accelgen.drafters.online import OnlineLearner, moving_average
 from accelgen.server.app import ServerConfig, create_app
 from accelgen.server.engine import Engine
+from accelgen.train.online import OnlineLearner, moving_average
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

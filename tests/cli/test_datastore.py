@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from accelgen.cli import app
+from accelgen.cli.datastore import dataset_texts, record_texts
 from accelgen.datasets import iter_json_array, load_dataset, sharegpt_file
-from accelgen.datastore_cli import dataset_texts, record_texts
 from accelgen.drafters.rest import Datastore
 
 

@@ -1,0 +1,25 @@
+"""`accelgen advise`: the weight format and method to use on this machine, as the README's Markdown section."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from accelgen.cli.common import FILE_ERRORS, MODEL_HELP, THREADS_OPTION, reported_errors
+
+
+def advise(
+    model: str = typer.Option("qwen2.5-coder-1.5b", "--model", "-m", help=MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also choose its format."),
+    threads: Optional[int] = THREADS_OPTION,
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Which weight format and method to use on this machine: each format timed once (cached), then what
+    `auto` picks from the costs measured in the chosen formats. Prints Markdown (the README's section)."""
+    from accelgen.advice import advice_markdown, advise as measure_advice
+
+    with reported_errors(FILE_ERRORS):
+        advice = measure_advice(model, draft, threads)
+    print(json.dumps(advice, indent=1) if as_json else advice_markdown(advice))

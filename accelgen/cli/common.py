@@ -1,0 +1,91 @@
+"""What the commands share: the error console, tables on stdout, the options many commands take, loading a
+model with a spinner, and ending a command on bad input with its message and exit status 2."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
+
+console = Console(stderr=True)
+
+MODEL_HELP = "Embedded name, HF id, local folder or .gguf file."
+DTYPE_HELP = "float32, bfloat16 or float16 (default: bfloat16 for embedded models)."
+WEIGHTS_OPTION = typer.Option(None, "--weights", help=WEIGHTS_HELP)
+DRAFT_WEIGHTS_OPTION = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP)
+THREADS_OPTION = typer.Option(None, min=1, help="torch CPU threads (default: torch's).")
+# Reported in one line, not a traceback: bad input, a file that is not there, a model that cannot run; and where
+# the command reads and writes files of its own, any error of theirs
+INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, RuntimeError)
+FILE_ERRORS = (ValueError, OSError)
+
+
+def table_console() -> Console:
+    """Where tables go: stdout, wide enough not to wrap when piped to a file."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+@contextlib.contextmanager
+def reported_errors(errors: tuple[type[Exception], ...] = INPUT_ERRORS):
+    """Ends the command with the error's message and exit status 2 (typer's Exit, a RuntimeError, passes)."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except errors as error:
+        console.print(f"[red]error:[/red] {escape(str(error))}")
+        raise typer.Exit(2) from None
+
+
+def require_modules(*names: str) -> None:
+    """Import a command's optional modules before its slow work (loading a model), so that a missing extra
+    stops it at once (the app's ExtrasHintGroup names the extra)."""
+    for name in names:
+        importlib.import_module(name)
+
+
+def set_threads(threads: Optional[int]) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] = None):
+    from accelgen.models import EMBEDDED_MODELS, load_model
+
+    try:
+        with console.status(f"loading {name}{f' ({weights})' if weights else ''} …"):
+            return load_model(name, dtype=dtype, weights=weights)
+    except (ValueError, OSError) as error:  # no such model, a format it cannot run, a hub it cannot reach
+        hint = "" if isinstance(error, ValueError) else f" (embedded models: {', '.join(EMBEDDED_MODELS)})"
+        console.print(f"[red]error:[/red] cannot load {name!r}: {error}{hint}")
+        raise typer.Exit(2) from None
+
+
+def load_target_and_draft(model: str, dtype: Optional[str], weights: Optional[str], draft: Optional[str],
+                          draft_dtype: Optional[str], draft_weights: Optional[str]):
+    """(target, tokenizer, draft model or None), each loaded with a spinner."""
+    target_model, tokenizer = load_with_progress(model, dtype, weights)
+    draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
+    return target_model, tokenizer, draft_model
+
+
+def load_prompts(dataset: str) -> list:
+    """A dataset's prompts, read before any model loads: an unknown name or a dataset package that is not
+    installed (the bench extra) ends the command at once with the reason."""
+    from accelgen.datasets import load_dataset
+
+    with reported_errors((ValueError, FileNotFoundError)):
+        return load_dataset(dataset)
+
+
+def format_options(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "-"

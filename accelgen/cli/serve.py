@@ -1,0 +1,80 @@
+"""`accelgen serve`: an OpenAI-compatible server with continuous batching and speculation policies."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+from accelgen.cli.common import (DTYPE_HELP, MODEL_HELP, console, load_target_and_draft, reported_errors,
+                                 set_threads)
+from accelgen.method_options import parse_method_options, split_list
+from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
+
+
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model, for methods that need one."),
+    method: str = typer.Option("autoregressive", "--method", help="Default method of requests."),
+    allow_methods: str = typer.Option("", "--allow-methods",
+                                      help="Other methods requests may pick with the body field `method`, comma-separated."),
+    option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8000, min=1, max=65535),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ACCELGEN_API_KEY",
+                                          help="Require Authorization: Bearer <key> (or set ACCELGEN_API_KEY)."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Sequences per batched forward."),
+    token_budget: Optional[int] = typer.Option(
+        None, "--token-budget", help="Cap drafts at budget // batch size - 1 tokens (0: no cap) instead of choosing "
+                                     "each step's draft length by measured goodput."),
+    max_draft: int = typer.Option(8, "--max-draft", help="Longest draft the goodput policy may choose."),
+    prefill_chunk: int = typer.Option(256, "--prefill-chunk", help="Prompt tokens fed per step (0: whole prompts)."),
+    max_concurrent: int = typer.Option(64, "--max-concurrent", help="Requests waiting or running; more get 429."),
+    max_prompt_tokens: int = typer.Option(4096, "--max-prompt-tokens"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Largest max_tokens a request may ask for."),
+    shutdown_grace: float = typer.Option(30.0, "--shutdown-grace", min=0,
+                                         help="Seconds requests in flight may take to finish on shutdown; then "
+                                              "they are aborted and answered (finish_reason \"abort\")."),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
+    draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn's: info logs every request, warning does not."),
+):
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics) with continuous batching."""
+    # a batch's shapes change every step, and oneDNN keeps a compiled kernel per shape (1024 by default): cap
+    # that cache, or a long-running server's memory creeps up (set before the first matmul to take effect)
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    if api_key == "":  # before the model loads
+        console.print("[red]error:[/red] an empty --api-key would turn authentication off; to serve without a key, "
+                      "leave out --api-key (and ACCELGEN_API_KEY)")
+        raise typer.Exit(2)
+    import accelgen
+    from accelgen.server.app import ServerConfig, create_app, run
+    from accelgen.server.engine import Engine
+    from accelgen.server.speculation import Goodput, TokenBudget, policy_calibration
+
+    set_threads(threads)
+    methods = [method] + [name for name in split_list(allow_methods) or [] if name != method]
+    with reported_errors():
+        options = parse_method_options(option)
+        unserved = sorted(set(options) - set(methods))
+        if unserved:
+            raise ValueError(f"options given for {', '.join(unserved)}, which this server does not serve ({', '.join(methods)})")
+        options = {name: accelgen.get_method(name).check_options(options.get(name, {})) for name in methods}
+        target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
+                                                                     draft_weights)
+        config = ServerConfig(model_name=model, model=target_model, tokenizer=tokenizer, draft_model=draft_model,
+                              method=method, methods=options, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
+                              max_tokens=max_tokens, max_concurrent=max_concurrent, shutdown_grace_seconds=shutdown_grace)
+        if token_budget is not None:
+            speculation = TokenBudget(token_budget)
+        else:
+            calibration = policy_calibration(target_model, draft_model, max_batch, max_draft)
+            speculation = Goodput(max_draft=max_draft, calibration=calibration)  # runs on the engine's thread
+        engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, speculation=speculation)
+        server_app = create_app(config, engine)
+    console.print(f"serving {model} on http://{host}:{port}/v1 — methods: {', '.join(methods)}")
+    run(server_app, host=host, port=port, log_level=log_level)  # on Ctrl-C or SIGTERM: see run()
