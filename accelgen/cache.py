@@ -57,8 +57,10 @@ def layer_windows(config) -> list[int | None]:
 
 
 def cache_length(cache: DynamicCache) -> int:
-    """Positions held, read from the first layer that holds any (a layer skipped while drafting holds none)."""
-    for layer in cache.layers:
+    """Positions held, read from the highest layer that holds any: every verified token reaches it, while lower
+    layers may hold more (a layer-skipping draft's tokens) or fewer (SkipDecode), and a layer whose attention a
+    draft skips holds none."""
+    for layer in reversed(cache.layers):
         if layer.is_initialized:
             return layer.keys.shape[-2]
     return 0

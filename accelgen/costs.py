@@ -239,7 +239,7 @@ class BudgetedDrafter:
         if hasattr(inner, "draft_steps"):  # drafts with model forwards that a server can batch: keep offering that
             self.draft_steps = self._budgeted_steps
 
-    def __getattr__(self, name):  # close, attach, describe, learner, ...: the inner drafter's own
+    def __getattr__(self, name):  # close, describe, learner, ...: the inner drafter's own
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

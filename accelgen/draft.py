@@ -107,6 +107,11 @@ def tree_attention(parents: torch.Tensor, prefix: int = 1) -> torch.Tensor:
     return _build_tree_attention(parents.tolist(), prefix)
 
 
+def causal(m: int) -> torch.Tensor:
+    """(m, m) bool: the attention pattern of a chain, each token seeing itself and the ones before it."""
+    return torch.ones(m, m, dtype=torch.bool).tril()
+
+
 @functools.lru_cache(maxsize=256)
 def _tree_attention_after_root(parents: tuple[int, ...]) -> torch.Tensor:
     return _build_tree_attention(list(parents), 1)
@@ -115,7 +120,7 @@ def _tree_attention_after_root(parents: tuple[int, ...]) -> torch.Tensor:
 def _build_tree_attention(parents: list[int], prefix: int) -> torch.Tensor:
     n = len(parents)
     allowed = torch.zeros(prefix + n, prefix + n, dtype=torch.bool)
-    allowed[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+    allowed[:prefix, :prefix] = causal(prefix)
     for i, parent in enumerate(parents):
         row = prefix + i
         allowed[row] = allowed[prefix - 1 if parent == ROOT else prefix + parent]  # what its parent sees...

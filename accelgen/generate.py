@@ -332,6 +332,7 @@ class Sequence:
             raise ValueError(f"method {method!r} runs the model's layers itself and needs a PyTorch model; load it "
                              "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
         target = spec.runner.make(model, running) if spec.runner else runner_for(model)
+        target.keep_hidden = spec.reads_target_hidden
         if len(prompt_ids) >= target.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
         outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
@@ -460,9 +461,7 @@ class Sequence:
         self.drafter.close()  # e.g. a shared trie's prompt branches
         output = self.output
         stats = self.stats.as_dict(len(output.token_ids))
-        exits = getattr(self.target, "describe", None)  # early exit: the layers decoding went through
-        if exits is not None:
-            stats.update(exits())
+        stats.update(self.target.describe())  # early exit: the layers decoding went through
         choice = self.drafter.describe()  # what a policy (`auto`) chose, and why
         if choice is not None:
             stats["choice"] = choice

@@ -73,6 +73,9 @@ class MethodSpec:
     # make(target_model, options) -> ModelRunner, for a method that changes the target's own forward (early exit,
     # accelgen/exits/); None: the plain ModelRunner
     runner: Part | None = None
+    # the drafter reads the target's final hidden states (Medusa, EAGLE): the loop has the target's runner keep
+    # them (ModelRunner.keep_hidden), and the drafter reads them from `BuildContext.target`
+    reads_target_hidden: bool = False
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:

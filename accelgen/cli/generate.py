@@ -45,8 +45,7 @@ def generate(
     with reported_errors():
         spec = accelgen.get_method(method)
         options = spec.check_options({**parse_options(option, spec.options), **({"heads": heads} if heads else {})})
-        if "draft_model" in spec.needs and draft is None:  # before loading the target, which may take a while
-            raise ValueError(f"method {method!r} needs a draft model: pass --draft")
+        spec.check_needs(draft_model=draft, how="--draft")  # before loading the target, which may take a while
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                      draft_weights)
         request = [{"role": "user", "content": prompt}] if chat else prompt

@@ -16,10 +16,9 @@ import torch
 
 from accelgen.draft import Draft
 from accelgen.drafters.base import BuildContext, Drafter
-from accelgen.drafters.draft_model import DraftModelDrafter, check_vocabularies
+from accelgen.drafters.draft_model import DraftModelDrafter, draft_model_drafter
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
-from accelgen.sampling import SamplingConfig
-from accelgen.verify import verify_bild
+from accelgen.verify import greedy_rule_verifier, verify_bild
 
 
 class FallbackDrafter(Drafter):
@@ -68,13 +67,7 @@ class RollbackOptions(MethodOptions):
 
 
 def _make(build: BuildContext, options: FallbackOptions) -> FallbackDrafter:
-    check_vocabularies(build.target_model, build.draft_model)
-    return FallbackDrafter(build.draft_model, build.sampling, build.generator,
-                           fallback_threshold=options.fallback_threshold, max_draft=options.max_draft)
-
-
-def _make_verifier(sampling: SamplingConfig, options: RollbackOptions):
-    return lambda draft, target_logits, generator: verify_bild(draft, target_logits, options.rollback_threshold)
+    return draft_model_drafter(build, FallbackDrafter, **options.as_dict())
 
 
 register(
@@ -87,7 +80,7 @@ register(
                 "back tokens whose cross-entropy exceeds rollback_threshold (0: greedy)",
         drafter=Part(_make, FallbackOptions),
         needs=("draft_model",),
-        verifier=Part(_make_verifier, RollbackOptions),
+        verifier=Part(greedy_rule_verifier(verify_bild, "rollback_threshold"), RollbackOptions),
         greedy_only=True,
     )
 )

@@ -9,16 +9,8 @@ at least as many tokens on average as token-wise verification. At temperature 0 
 from __future__ import annotations
 
 from accelgen.drafters.draft_model import GammaOptions, make_gamma_drafter
-from accelgen.verify import default_verifier
-from accelgen.registry import MethodSpec, NoOptions, Part, register
-from accelgen.sampling import SamplingConfig, logits_to_probs
-from accelgen.verify import verify_block
-
-
-def _make_verifier(sampling: SamplingConfig, options: NoOptions):
-    if sampling.greedy:  # one-hot target: block verification is exactly the longest matching prefix
-        return default_verifier(sampling)
-    return lambda draft, target_logits, generator: verify_block(draft, logits_to_probs(target_logits, sampling), generator)
+from accelgen.registry import MethodSpec, Part, register
+from accelgen.verify import exact_rule_verifier, verify_block
 
 
 register(
@@ -31,6 +23,6 @@ register(
                 "and never fewer accepted tokens on average than token-wise verification",
         drafter=Part(make_gamma_drafter, GammaOptions),
         needs=("draft_model",),
-        verifier=Part(_make_verifier),
+        verifier=Part(exact_rule_verifier(verify_block)),
     )
 )

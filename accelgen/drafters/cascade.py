@@ -24,8 +24,9 @@ import torch
 
 from accelgen.draft import Draft
 from accelgen.drafters.base import BuildContext, Drafter
-from accelgen.drafters.draft_model import check_vocabularies
-from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
+from accelgen.drafters.draft_model import draft_model_drafter
+from accelgen.drafters.prompt_lookup import check_at_least_one
+from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
@@ -33,8 +34,7 @@ from accelgen.sampling import SamplingConfig
 class CascadeDrafter(Drafter):
     def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, gamma: int = 3,
                  tail_tokens: int = 3, stage_two_tokens: int = 4, max_ngram: int = 3):
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        check_at_least_one(gamma=gamma)
         if tail_tokens < 0:
             raise ValueError(f"tail_tokens must be >= 0, got {tail_tokens}")
         self.sampling = sampling
@@ -67,16 +67,18 @@ def one_hot_rows(tokens: list[int], vocab_size: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CascadeOptions(MethodOptions):
+class CascadeLengths(MethodOptions):
     gamma: int = 3  # tokens the draft model drafts (itself drafted for by the n-gram/bigram model)
     tail_tokens: int = 3  # tokens the n-gram/bigram model drafts after them
-    stage_two_tokens: int = 4  # the second stage's draft length, per draft-model step
-    max_ngram: int = 3  # the second stage's longest n-gram
+
+
+@dataclass(frozen=True)
+class CascadeOptions(StageTwoOptions, CascadeLengths):
+    """The draft lengths, then the second stage's options."""
 
 
 def _make(build: BuildContext, options: CascadeOptions) -> CascadeDrafter:
-    check_vocabularies(build.target_model, build.draft_model)
-    return CascadeDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
+    return draft_model_drafter(build, CascadeDrafter, **options.as_dict())
 
 
 register(

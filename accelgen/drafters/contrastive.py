@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accelgen.drafters.base import BuildContext
-from accelgen.drafters.draft_model import DraftModelDrafter, GammaOptions, check_vocabularies
+from accelgen.drafters.draft_model import DraftModelDrafter, GammaOptions, draft_model_drafter
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
-from accelgen.sampling import SamplingConfig
-from accelgen.verify import check_contrastive_options, verify_contrastive
+from accelgen.verify import check_contrastive_options, greedy_rule_verifier, verify_contrastive
 
 
 @dataclass(frozen=True)
@@ -28,14 +27,7 @@ class ContrastiveOptions(MethodOptions):
 
 
 def _make(build: BuildContext, options: GammaOptions) -> DraftModelDrafter:
-    check_vocabularies(build.target_model, build.draft_model)
-    return DraftModelDrafter(build.draft_model, build.sampling, build.generator, gamma=options.gamma,
-                             greedy_draft_probs=True)
-
-
-def _make_verifier(sampling: SamplingConfig, options: ContrastiveOptions):
-    return lambda draft, target_logits, generator: verify_contrastive(draft, target_logits, options.alpha,
-                                                                      options.beta)
+    return draft_model_drafter(build, gamma=options.gamma, greedy_draft_probs=True)  # the amateur's distributions
 
 
 register(
@@ -48,7 +40,7 @@ register(
                 "score expert logits - alpha * amateur log-probs over plausible tokens (alpha=0: greedy)",
         drafter=Part(_make, GammaOptions),
         needs=("draft_model",),
-        verifier=Part(_make_verifier, ContrastiveOptions),
+        verifier=Part(greedy_rule_verifier(verify_contrastive, "alpha", "beta"), ContrastiveOptions),
         greedy_only=True,
     )
 )

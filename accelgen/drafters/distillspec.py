@@ -15,7 +15,7 @@ import json
 import torch
 
 from accelgen.drafters.base import BuildContext
-from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, check_vocabularies, scheduled
+from accelgen.drafters.draft_model import DraftingOptions, check_vocabularies, scheduled_draft_model_drafter
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, Part, register
 
@@ -46,10 +46,9 @@ def check_distilled(target_model, draft_model) -> dict:
 
 
 def _make(build: BuildContext, options: DraftingOptions):
-    check_vocabularies(build.target_model, build.draft_model)
+    check_vocabularies(build.target_model, build.draft_model)  # a clearer refusal than a fingerprint mismatch
     check_distilled(build.target_model, build.draft_model)
-    drafter = DraftModelDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
-    return scheduled(drafter, build.target_model, build.draft_model)
+    return scheduled_draft_model_drafter(build, **options.as_dict())
 
 
 register(

@@ -127,10 +127,21 @@ def check_vocabularies(target_model, draft_model) -> None:
         )
 
 
+def draft_model_drafter(build: BuildContext, drafter_class: type = DraftModelDrafter, **arguments):
+    """drafter_class(draft model, sampling, generator, **arguments) over the build's draft model, which must
+    share the target's vocabulary: the drafter of every method that drafts with a draft model of its own."""
+    check_vocabularies(build.target_model, build.draft_model)
+    return drafter_class(build.draft_model, build.sampling, build.generator, **arguments)
+
+
+def scheduled_draft_model_drafter(build: BuildContext, drafter_class: type = DraftModelDrafter, **arguments):
+    """draft_model_drafter, as its gamma_schedule asks (speculative, distillspec, online)."""
+    return scheduled(draft_model_drafter(build, drafter_class, **arguments), build.target_model, build.draft_model)
+
+
 def make_gamma_drafter(build: BuildContext, options: GammaOptions) -> DraftModelDrafter:
     """The drafter of a method whose own part is its verification rule: gamma draft-model tokens per step."""
-    check_vocabularies(build.target_model, build.draft_model)
-    return DraftModelDrafter(build.draft_model, build.sampling, build.generator, gamma=options.gamma)
+    return draft_model_drafter(build, gamma=options.gamma)
 
 
 def make_self_drafter(runner, build: BuildContext, options: SelfDraftingOptions):
@@ -141,9 +152,7 @@ def make_self_drafter(runner, build: BuildContext, options: SelfDraftingOptions)
 
 
 def _make(build: BuildContext, options: DraftingOptions):
-    check_vocabularies(build.target_model, build.draft_model)
-    drafter = DraftModelDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
-    return scheduled(drafter, build.target_model, build.draft_model)
+    return scheduled_draft_model_drafter(build, **options.as_dict())
 
 
 register(

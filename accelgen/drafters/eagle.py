@@ -30,19 +30,21 @@ from dataclasses import dataclass
 import torch
 
 from accelgen import cache as kv
-from accelgen.draft import ROOT, tree_attention
+from accelgen.draft import ROOT, causal, tree_attention
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
 from accelgen.heads.eagle import EagleHead
 from accelgen.heads.lm_head import DraftLMHead
-from accelgen.models.runner import ModelRunner, additive_mask
+from accelgen.models.block import Block
+from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
 class EagleScorer:
     """Draft logits from an EAGLE head over the target's features (the scorer of DraftTreeDrafter)."""
 
-    def __init__(self, target_model, head: EagleHead):
+    def __init__(self, target: ModelRunner, head: EagleHead):
+        target_model = target.model
         self.embed = target_model.get_input_embeddings()
         self.lm_head = DraftLMHead(target_model.get_output_embeddings(), head.vocab)
         self.head = head
@@ -51,11 +53,7 @@ class EagleScorer:
         self.fed = 0  # positions the head's cache holds: pairs (f_j, x_{j+1}) for j < fed
         self.root_feature: torch.Tensor | None = None  # (d,) the head's guess of the root's feature
         self.predicted: dict[int, torch.Tensor] = {}  # node -> (d,) the head's guess of its feature
-        self.target: ModelRunner | None = None
-
-    def attach(self, target: ModelRunner) -> None:
-        self.target = target
-        target.keep_hidden = True
+        self.target = target  # its runner keeps the features the head reads (MethodSpec.reads_target_hidden)
 
     @torch.inference_mode()
     def root_logits(self, context: list[int]) -> torch.Tensor | None:
@@ -69,7 +67,7 @@ class EagleScorer:
         if self.fed < len(features):
             new = len(features) - self.fed
             tokens = torch.tensor(context[self.fed + 1 : len(features) + 1])  # x_{j+1} for the new pairs
-            output = self._forward(tokens, features[self.fed :], torch.ones(new, new, dtype=torch.bool).tril())
+            output = self._forward(tokens, features[self.fed :], causal(new))
             self.fed = len(features)
             self.root_feature = output[-1]
         self.predicted = {}
@@ -91,8 +89,9 @@ class EagleScorer:
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
         """(m, d) predicted features for tokens (m,) with features (m, d), placed after the cached pairs as
         pattern (m, m) bool allows (causal, or a tree: position = cached + depth - 1)."""
-        positions = (self.fed + pattern.sum(dim=-1) - 1)[None].to(self.head.fc.weight.device)
-        mask = None if len(tokens) == 1 else additive_mask(self.fed, pattern, features.dtype, features.device)
+        block = Block(self.fed, pattern)
+        positions = block.positions[None].to(self.head.fc.weight.device)
+        mask = block.walk_mask(features.dtype, features.device)
         embeds = self.embed(tokens.to(features.device))[None]
         return self.head(embeds, features[None], positions, mask, self.cache)[0]
 
@@ -110,8 +109,7 @@ def _make_eagle(build: BuildContext, options: EagleOptions) -> DraftTreeDrafter:
     if not options.heads:
         raise ValueError("eagle needs a trained EAGLE head: heads=FOLDER "
                          "(from `accelgen train eagle --model M --out FOLDER`)")
-    scorer = EagleScorer(build.target_model, EagleHead.load(options.heads, build.target_model))
-    scorer.attach(build.target)  # it reads the target's features
+    scorer = EagleScorer(build.target, EagleHead.load(options.heads, build.target_model))
     if options.paths:
         return DraftTreeDrafter(scorer, build.sampling, build.generator, paths=options.paths)
     return DraftTreeDrafter(scorer, build.sampling, build.generator, width=options.width, depth=options.depth,
@@ -128,5 +126,6 @@ register(
                 "EAGLE-2's dynamic tree (width x depth, best max_nodes kept) verified in one forward",
         drafter=Part(_make_eagle, EagleOptions),
         needs=("heads",),
+        reads_target_hidden=True,
     )
 )

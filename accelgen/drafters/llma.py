@@ -18,7 +18,7 @@ import torch
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import draft_from_candidates
-from accelgen.drafters.prompt_lookup import NGramIndex
+from accelgen.drafters.prompt_lookup import NGramIndex, check_at_least_one, check_size_range
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 DOCUMENT_BREAK = -1  # between references in the index: no n-gram of real tokens matches across it
@@ -68,12 +68,8 @@ def span_after(tokens: list[int], start: int, length: int) -> list[int]:
 class ReferenceDrafter(Drafter):
     def __init__(self, references: list[list[int]], min_match: int = 1, max_match: int = 4, copy_length: int = 16,
                  branches: int = 1):
-        if not 1 <= min_match <= max_match:
-            raise ValueError(f"need 1 <= min_match <= max_match, got min_match={min_match}, max_match={max_match}")
-        if copy_length < 1:
-            raise ValueError(f"copy_length must be >= 1, got {copy_length}")
-        if branches < 1:
-            raise ValueError(f"branches must be >= 1, got {branches}")
+        check_size_range(("min_match", min_match), ("max_match", max_match))
+        check_at_least_one(copy_length=copy_length, branches=branches)
         self.min_match, self.max_match = min_match, max_match
         self.copy_length = copy_length
         self.branches = branches

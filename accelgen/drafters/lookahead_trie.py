@@ -35,6 +35,7 @@ import torch
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.costs import sized_by_costs
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
@@ -222,9 +223,7 @@ def best_branches(start: TrieNode, request: int | None, max_nodes: int, max_dept
 class TrieLookaheadDrafter(Drafter):
     def __init__(self, trie: LookaheadTrie | None, vocab_size: int, max_nodes: int = 8, branch_length: int = 8,
                  max_prefix: int = 4, prompt_boost: float = 1e4):
-        for name, value in (("max_nodes", max_nodes), ("branch_length", branch_length), ("max_prefix", max_prefix)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_at_least_one(max_nodes=max_nodes, branch_length=branch_length, max_prefix=max_prefix)
         if prompt_boost < 0:
             raise ValueError(f"prompt_boost must be >= 0, got {prompt_boost}")
         if trie is not None and not isinstance(trie, LookaheadTrie):

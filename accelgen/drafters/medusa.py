@@ -33,8 +33,7 @@ from accelgen.drafters.draft_tree import DraftTreeDrafter
 from accelgen.heads.medusa import MedusaHeads
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
-from accelgen.sampling import SamplingConfig
-from accelgen.verify.typical import check_typical_options, verify_typical
+from accelgen.verify import check_typical_options, greedy_rule_verifier, verify_typical
 
 # a small default tree for 4 heads (Medusa's choices are of this form): 3 first tokens, then fewer deeper;
 # fewer heads use the paths they reach
@@ -47,15 +46,11 @@ class MedusaScorer:
 
     max_positions = 1 << 30  # the heads add no context limit: the target's runner checks its own
 
-    def __init__(self, target_model, heads: MedusaHeads):
+    def __init__(self, target: ModelRunner, heads: MedusaHeads):
         self.heads = heads
-        self.lm_head = heads.lm_head(target_model)
+        self.lm_head = heads.lm_head(target.model)
         self.guesses: torch.Tensor | None = None  # (K, vocab) every head's logits for this step
-        self.target: ModelRunner | None = None
-
-    def attach(self, target: ModelRunner) -> None:
-        self.target = target
-        target.keep_hidden = True
+        self.target = target  # its runner keeps the hidden states the heads read (MethodSpec.reads_target_hidden)
 
     @torch.inference_mode()
     def root_logits(self, context: list[int]) -> torch.Tensor | None:
@@ -101,16 +96,9 @@ class TypicalOptions(MethodOptions):
         check_typical_options(self.epsilon, self.delta)
 
 
-def scorer_of(build: BuildContext, heads: MedusaHeads) -> MedusaScorer:
-    """The heads' scorer, reading the features of the target's runner."""
-    scorer = MedusaScorer(build.target_model, heads)
-    scorer.attach(build.target)
-    return scorer
-
-
 def _make_medusa(build: BuildContext, options: MedusaOptions) -> DraftTreeDrafter:
     medusa = load(build.target_model, options.heads)
-    scorer = scorer_of(build, medusa)
+    scorer = MedusaScorer(build.target, medusa)
     sampling, generator, depth = build.sampling, build.generator, options.depth
     if options.width:  # dynamic
         if depth > len(medusa):
@@ -128,7 +116,7 @@ def _make_medusa(build: BuildContext, options: MedusaOptions) -> DraftTreeDrafte
 
 def _make_blockwise(build: BuildContext, options: HeadsOptions) -> DraftTreeDrafter:
     medusa = load(build.target_model, options.heads)  # the chain of each head's top-1 (or draw, when sampling)
-    return DraftTreeDrafter(scorer_of(build, medusa), build.sampling, build.generator, branching=[1] * len(medusa))
+    return DraftTreeDrafter(MedusaScorer(build.target, medusa), build.sampling, build.generator, branching=[1] * len(medusa))
 
 
 register(
@@ -141,6 +129,7 @@ register(
                 "the target agrees with is kept",
         drafter=Part(_make_blockwise, HeadsOptions),
         needs=("heads",),
+        reads_target_hidden=True,
     )
 )
 
@@ -154,13 +143,9 @@ register(
                 "their top-k (path choices), or a dynamic one (width > 0), verified in one forward with tree attention",
         drafter=Part(_make_medusa, MedusaOptions),
         needs=("heads",),
+        reads_target_hidden=True,
     )
 )
-
-
-def _make_typical_verifier(sampling: SamplingConfig, options: TypicalOptions):
-    return lambda draft, target_logits, generator: verify_typical(draft, target_logits, options.epsilon,
-                                                                  options.delta)
 
 
 register(
@@ -172,8 +157,9 @@ register(
         summary="Medusa's tree verified with typical acceptance: a drafted token passes if the target gives it more "
                 "than min(epsilon, delta·exp(-entropy))",
         drafter=Part(_make_medusa, MedusaOptions),
-        verifier=Part(_make_typical_verifier, TypicalOptions),
+        verifier=Part(greedy_rule_verifier(verify_typical, "epsilon", "delta"), TypicalOptions),
         needs=("heads",),
+        reads_target_hidden=True,
         greedy_only=True,
     )
 )

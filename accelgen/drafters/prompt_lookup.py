@@ -88,14 +88,25 @@ def lookup_candidates(index: NGramIndex, length: int, branches: int) -> list[lis
     return candidates
 
 
+def check_size_range(shortest: tuple[str, int], longest: tuple[str, int]) -> None:
+    """A ValueError unless 1 <= shortest <= longest, the n-gram sizes looked up, each given as (name, size)."""
+    (shortest_name, shortest_size), (longest_name, longest_size) = shortest, longest
+    if not 1 <= shortest_size <= longest_size:
+        raise ValueError(f"need 1 <= {shortest_name} <= {longest_name}, got {shortest_name}={shortest_size}, "
+                         f"{longest_name}={longest_size}")
+
+
+def check_at_least_one(**counts: int) -> None:
+    """A ValueError naming the first of counts (name=count) below 1."""
+    for name, count in counts.items():
+        if count < 1:
+            raise ValueError(f"{name} must be >= 1, got {count}")
+
+
 class PromptLookupDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, draft_length: int = 10, branches: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
-        if draft_length < 1:
-            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
-        if branches < 1:
-            raise ValueError(f"branches must be >= 1, got {branches}")
+        check_size_range(("min_ngram", min_ngram), ("max_ngram", max_ngram))
+        check_at_least_one(draft_length=draft_length, branches=branches)
         self.draft_length = draft_length
         self.branches = branches
         self.index = NGramIndex(min_ngram, max_ngram)

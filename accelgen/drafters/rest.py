@@ -40,7 +40,7 @@ from accelgen.atomic import CorruptFileError, read_checked, save_npy_atomically,
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import CandidateTree
-from accelgen.drafters.prompt_lookup import NGramIndex, lookup_candidates
+from accelgen.drafters.prompt_lookup import NGramIndex, check_at_least_one, check_size_range, lookup_candidates
 from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
@@ -240,14 +240,11 @@ class Datastore:
 class RestDrafter(Drafter):
     def __init__(self, datastore: Datastore, max_query: int = 16, min_query: int = 2, max_matches: int = 500,
                  draft_depth: int = 6, max_nodes: int = 8, context: bool = False):
-        if not 1 <= min_query <= max_query:
-            raise ValueError(f"need 1 <= min_query <= max_query, got min_query={min_query}, max_query={max_query}")
+        check_size_range(("min_query", min_query), ("max_query", max_query))
         if max_query > datastore.sort_depth:
             raise ValueError(f"max_query {max_query} exceeds the datastore's sort_depth {datastore.sort_depth}; "
                              "rebuild it deeper or query less")
-        for name, value in (("max_matches", max_matches), ("draft_depth", draft_depth), ("max_nodes", max_nodes)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_at_least_one(max_matches=max_matches, draft_depth=draft_depth, max_nodes=max_nodes)
         self.datastore = datastore
         self.max_query, self.min_query = max_query, min_query
         self.max_matches = max_matches

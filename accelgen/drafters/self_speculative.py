@@ -1,8 +1,10 @@
 """Self-speculative decoding, Draft & Verify (Zhang et al. 2024, arXiv:2309.08168).
 
-The target drafts for itself with some attention and MLP sub-layers skipped (models/layer_skip.py), then
-verifies with all of them: no second model, no training. Drafting is draft-model speculation with the
-layer-skipping runner as the draft model (draft_model.py), so γ schedules and sampling come with it.
+The target drafts for itself with some attention and MLP sub-layers skipped, then verifies with all of them: no
+second model, no training. The draft model is a second runner over the target with its own KV cache, walking the
+layers as the plan `SkipSubBlocks` says (a layer whose attention is skipped never writes to that cache); the
+HF model's own modules run in order, no model code is copied. Drafting is draft-model speculation with that
+runner (draft_model.py), so γ schedules and sampling come with it.
 
 Which layers to skip decides the speed: `accelgen tune self-speculative --model M` searches the skip sets
 with Bayesian optimisation (tune.py) and saves the best next to the cached model; `skip="tuned"` (the
@@ -17,11 +19,43 @@ from dataclasses import dataclass
 
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import SelfDraftingOptions, make_self_drafter
-from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.models.runner import ModelRunner
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 SKIP_FILE = "self-speculative.json"
+
+
+class SkipSubBlocks:
+    """A layer plan (models/runner.py: LayerPlan) that leaves out chosen attention and MLP sub-blocks."""
+
+    purpose = "layer skipping"
+
+    def __init__(self, model, skip_attention: list[int], skip_mlp: list[int]):
+        count = model.config.num_hidden_layers
+        self.skip_attention = check_layers("skip_attention", skip_attention, count)
+        self.skip_mlp = check_layers("skip_mlp", skip_mlp, count)
+        if len(self.skip_attention) == count:
+            raise ValueError("skip_attention skips every attention layer: the draft would not see the context")
+
+    def sub_blocks(self, layer: int) -> tuple[bool, bool]:
+        return layer not in self.skip_attention, layer not in self.skip_mlp
+
+
+def skipping_runner(model, skip_attention: list[int], skip_mlp: list[int]) -> ModelRunner:
+    """A runner of its own over the model (its own KV cache), with those sub-blocks left out."""
+    return ModelRunner(model, SkipSubBlocks(model, skip_attention, skip_mlp))
+
+
+def check_layers(name: str, layers, count: int) -> frozenset[int]:
+    try:
+        chosen = frozenset(int(index) for index in layers)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of layer indices, got {layers!r}") from None
+    outside = sorted(index for index in chosen if not 0 <= index < count)
+    if outside:
+        raise ValueError(f"{name}: the model has layers 0..{count - 1}, not {outside}")
+    return chosen
 
 
 def default_skip(layer_count: int) -> dict[str, list[int]]:
@@ -58,7 +92,7 @@ class SelfSpeculativeOptions(SelfDraftingOptions, SkipOptions):
 
 
 def _make(build: BuildContext, options: SelfSpeculativeOptions):
-    runner = LayerSkipRunner(build.target_model, **resolve_skip(build.target_model, options.skip))
+    runner = skipping_runner(build.target_model, **resolve_skip(build.target_model, options.skip))
     return make_self_drafter(runner, build, options)
 
 

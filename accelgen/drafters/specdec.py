@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from accelgen.drafters.draft_model import GammaOptions, make_gamma_drafter
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
-from accelgen.sampling import SamplingConfig
-from accelgen.verify import check_specdec_options, verify_specdec
+from accelgen.verify import check_specdec_options, greedy_rule_verifier, verify_specdec
 
 
 @dataclass(frozen=True)
@@ -24,10 +23,6 @@ class SpecVerificationOptions(MethodOptions):
 
     def __post_init__(self):
         check_specdec_options(self.beta, self.tau)
-
-
-def _make_verifier(sampling: SamplingConfig, options: SpecVerificationOptions):
-    return lambda draft, target_logits, generator: verify_specdec(draft, target_logits, options.beta, options.tau)
 
 
 register(
@@ -40,7 +35,7 @@ register(
                 "top-beta and within tau of the top-1 log-probability (beta=1: greedy)",
         drafter=Part(make_gamma_drafter, GammaOptions),
         needs=("draft_model",),
-        verifier=Part(_make_verifier, SpecVerificationOptions),
+        verifier=Part(greedy_rule_verifier(verify_specdec, "beta", "tau"), SpecVerificationOptions),
         greedy_only=True,
     )
 )

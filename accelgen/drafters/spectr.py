@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
-from accelgen.verify import default_verifier
-from accelgen.registry import MethodOptions, MethodSpec, NoOptions, Part, register
-from accelgen.sampling import SamplingConfig, logits_to_probs
-from accelgen.verify import verify_spectr
+from accelgen.registry import MethodOptions, MethodSpec, Part, register
+from accelgen.verify import exact_rule_verifier, verify_spectr
 
 
 @dataclass(frozen=True)
@@ -39,12 +37,6 @@ def _make(build: BuildContext, options: SpecTrOptions) -> DraftTreeDrafter:
                             branching=[options.num_drafts] + [1] * (options.gamma - 1), replacement=True)
 
 
-def _make_verifier(sampling: SamplingConfig, options: NoOptions):
-    if sampling.greedy:
-        return default_verifier(sampling)
-    return lambda draft, target_logits, generator: verify_spectr(draft, logits_to_probs(target_logits, sampling), generator)
-
-
 register(
     MethodSpec(
         name="spectr",
@@ -55,6 +47,6 @@ register(
                 "cost, approximated) selects one token per depth exactly from the target distribution",
         drafter=Part(_make, SpecTrOptions),
         needs=("draft_model",),
-        verifier=Part(_make_verifier),
+        verifier=Part(exact_rule_verifier(verify_spectr)),
     )
 )

@@ -21,6 +21,7 @@ the next forward, as the target's root is.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,7 +31,17 @@ from accelgen.drafters.draft_decoding import roll_back
 from accelgen.drafters.prompt_lookup import NGramIndex, copy_continuation
 from accelgen.verify import default_verifier
 from accelgen.models.runner import ModelRunner, runner_for
+from accelgen.registry import MethodOptions
 from accelgen.sampling import SamplingConfig, logits_to_probs
+
+
+@dataclass(frozen=True)
+class StageTwoOptions(MethodOptions):
+    """The second stage's options, which a method drafting through it lists after its own: its options
+    dataclass subclasses (StageTwoOptions, ItsOwnOptions), as a dataclass lists its last base's fields first."""
+
+    stage_two_tokens: int = 4  # the second stage's draft length, per draft-model step
+    max_ngram: int = 3  # the second stage's longest n-gram
 
 
 class ContextNGramModel:

@@ -27,8 +27,9 @@ import torch
 
 from accelgen.draft import ROOT, Draft
 from accelgen.drafters.base import BuildContext, Drafter
-from accelgen.drafters.draft_model import check_vocabularies
-from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
+from accelgen.drafters.draft_model import draft_model_drafter
+from accelgen.drafters.prompt_lookup import check_at_least_one
+from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig, sample
 
@@ -36,10 +37,7 @@ from accelgen.sampling import SamplingConfig, sample
 class StagedDrafter(Drafter):
     def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, gamma: int = 5,
                  branches: int = 2, stage_two_tokens: int = 4, max_ngram: int = 3):
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
-        if branches < 1:
-            raise ValueError(f"branches must be >= 1, got {branches}")
+        check_at_least_one(gamma=gamma, branches=branches)
         if stage_two_tokens < 1:
             raise ValueError(f"stage_two_tokens must be >= 1 (the second stage is what makes `staged`), got "
                              f"{stage_two_tokens}")
@@ -80,16 +78,18 @@ class StagedDrafter(Drafter):
 
 
 @dataclass(frozen=True)
-class StagedOptions(MethodOptions):
+class StagedTree(MethodOptions):
     gamma: int = 5  # tokens of the draft model's chain
     branches: int = 2  # first tokens of the tree: the chain's and branches - 1 alternatives
-    stage_two_tokens: int = 4  # the second stage's draft length, per draft-model step
-    max_ngram: int = 3  # the second stage's longest n-gram
+
+
+@dataclass(frozen=True)
+class StagedOptions(StageTwoOptions, StagedTree):
+    """The tree's shape, then the second stage's options."""
 
 
 def _make(build: BuildContext, options: StagedOptions) -> StagedDrafter:
-    check_vocabularies(build.target_model, build.draft_model)
-    return StagedDrafter(build.draft_model, build.sampling, build.generator, **options.as_dict())
+    return draft_model_drafter(build, StagedDrafter, **options.as_dict())
 
 
 register(

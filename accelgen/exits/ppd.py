@@ -25,8 +25,9 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.drafters.autoregressive import no_drafter
-from accelgen.models.layerwise import exit_logits, llama_decoder, through_layers
-from accelgen.models.runner import ModelRunner, additive_mask
+from accelgen.models.block import Block
+from accelgen.models.layouts import Decoder
+from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
@@ -39,9 +40,11 @@ class Candidates:
 
 
 class PipelinedRunner(ModelRunner):
+    batches = False  # decoding steps walk the layers themselves
+
     def __init__(self, model, pipeline_layer: int, candidates: int):
         super().__init__(model)
-        self.decoder = llama_decoder(model, "ppd")
+        self.decoder = Decoder(model, "ppd")
         self.layer_count = len(self.decoder.layers)
         self.pipeline_layer = pipeline_layer
         self.candidate_count = candidates
@@ -49,11 +52,6 @@ class PipelinedRunner(ModelRunner):
         self.candidates: Candidates | None = None  # their rows follow the last position in the lower caches
         self.critical_layers: list[int] = []  # per decoded token: layers on its critical path
         self.candidate_rows = 0  # layer-rows spent on candidates
-
-    @property
-    def length(self) -> int:
-        """Positions of the upper layers (the lower ones may also hold the candidates' rows)."""
-        return kv.layer_length(self.cache, -1)
 
     def reset(self) -> None:
         super().reset()
@@ -69,16 +67,16 @@ class PipelinedRunner(ModelRunner):
         position = self.length
         hidden, start = self._take_candidate(int(token_ids[0]), position)
         if hidden is None:
-            hidden = self.decoder.embed_tokens(token_ids.to(self.device)[None])
+            hidden = self.decoder.embed(token_ids, self._at(position))
         lower = range(start, self.pipeline_layer + 1)
-        hidden = through_layers(self.decoder, lower, hidden, positions=self._at(position), mask=None, cache=self.cache)
+        hidden = self.decoder.through(lower, hidden, positions=self._at(position), mask=None, cache=self.cache)
         # the exit at pipeline_layer starts the next token's candidates (start never passes it: precomputed <= it)
-        guesses = exit_logits(self.model, self.decoder, hidden)[0, 0].topk(self.candidate_count).indices
+        guesses = self.decoder.logits(hidden)[0, 0].topk(self.candidate_count).indices
         self._start_candidates(guesses.tolist(), position + 1)
         upper = range(self.pipeline_layer + 1, self.layer_count)
-        hidden = through_layers(self.decoder, upper, hidden, positions=self._at(position), mask=None, cache=self.cache)
+        hidden = self.decoder.through(upper, hidden, positions=self._at(position), mask=None, cache=self.cache)
         self.critical_layers.append(self.layer_count - start)
-        return exit_logits(self.model, self.decoder, hidden)[0]
+        return self.decoder.logits(hidden)[0]
 
     def keep(self, prefix: int, rows: list[int]) -> None:
         if prefix + len(rows) < self.length:  # only a longer block is ever rolled back; it has no candidates
@@ -90,14 +88,13 @@ class PipelinedRunner(ModelRunner):
     def _start_candidates(self, tokens: list[int], position: int) -> None:
         """The candidates through the first `precomputed` layers, as k rows at `position` that see the cache
         but not each other."""
-        k = len(tokens)
-        hidden = self.decoder.embed_tokens(torch.tensor([tokens], device=self.device))
-        mask = additive_mask(position, torch.eye(k, dtype=torch.bool), self.dtype, self.device)
-        positions = torch.full((1, k), position, device=self.device)
-        hidden = through_layers(self.decoder, range(self.precomputed), hidden, positions=positions, mask=mask,
-                                cache=self.cache)
+        block = Block(position, torch.eye(len(tokens), dtype=torch.bool))  # depth 0 each: all at `position`
+        positions = block.positions[None].to(self.device)
+        hidden = self.decoder.embed(torch.tensor(tokens), positions)
+        hidden = self.decoder.through(range(self.precomputed), hidden, positions=positions,
+                                      mask=block.mask(self.dtype, self.device), cache=self.cache)
         self.candidates = Candidates(tokens, hidden)
-        self.candidate_rows += k * self.precomputed
+        self.candidate_rows += len(tokens) * self.precomputed
 
     def _take_candidate(self, token: int, position: int) -> tuple[torch.Tensor | None, int]:
         """(hidden (1, 1, d), first layer still to run) of the token if it was a candidate, else (None, 0);

@@ -8,9 +8,9 @@ Layout of row i (cache lengths L_i, new blocks of m_i tokens; L = max L_i, M = m
 
     [ pad · (L - L_i) | cache · L_i | pad · (M - m_i) | new · m_i ]
 
-Caches are left-padded and new blocks right-aligned, so the last k columns of every row are that row's
-last k new tokens and one `logits_to_keep` serves the whole batch. A 4-D attention mask hides the padding;
-padding queries attend to themselves only (their outputs are thrown away).
+Caches are left-padded and new blocks right-aligned (models/block.py: `left_padded`), so the last k columns of
+every row are that row's last k new tokens and one `logits_to_keep` serves the whole batch. A 4-D attention mask
+hides the padding. Runners share a batched forward when they declare it (`ModelRunner.batches`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from accelgen import cache as kv
+from accelgen.draft import causal
+from accelgen.models.block import Block, blocking_mask, left_padded
 from accelgen.models.runner import ModelRunner
 
 # forward_together: blocks wider than this and than twice the median width get a forward of their own
@@ -31,30 +33,21 @@ def batched_forward(runners: list[ModelRunner], blocks: list[tuple[torch.Tensor,
     All runners wrap the same model. Returns each block's logits, (logits_for_last, vocab) float32, and
     leaves every runner's cache extended by its block, exactly as its own forward would.
     """
-    alone = (type(runner) is not ModelRunner or runner.keep_hidden or not runner.shares_batched_forward
-             for runner in runners)
-    if len(runners) == 1 or any(alone):
+    if len(runners) == 1 or not all(runner.batches for runner in runners):
         # a runner with a forward of its own (early exit), one whose drafter reads its hidden states (Medusa), or
         # one whose masks a padded batch cannot express (a short sliding window, ALiBi) cannot share the forward
         return [runner.forward(*block) for runner, block in zip(runners, blocks)]
     model = runners[0].model
-    lengths = [runner.length for runner in runners]
+    lengths = [kv.cache_length(runner.cache) for runner in runners]
     widths = [len(token_ids) for token_ids, _, _ in blocks]
     cached, new = max(lengths), max(widths)
+    geometry = [Block(length, causal(len(token_ids)) if tree is None else tree, runner.position_offset)
+                for runner, length, (token_ids, tree, _) in zip(runners, lengths, blocks)]
+    positions, allowed = left_padded(geometry)
     input_ids = torch.zeros(len(runners), new, dtype=torch.long)
-    positions = torch.zeros(len(runners), new, dtype=torch.long)
-    allowed = torch.zeros(len(runners), new, cached + new, dtype=torch.bool)
-    for row, ((token_ids, tree, _), length, width) in enumerate(zip(blocks, lengths, widths)):
-        offset = new - width  # padding before this row's new tokens
-        pattern = torch.ones(width, width, dtype=torch.bool).tril() if tree is None else tree
-        input_ids[row, offset:] = token_ids
-        positions[row, offset:] = length + pattern.sum(dim=-1) - 1  # cache length + depth in the block
-        positions[row, :offset] = length
-        allowed[row, offset:, cached - length : cached] = True
-        allowed[row, offset:, cached + offset :] = pattern
-        allowed[row, :offset, cached : cached + offset] = torch.eye(offset, dtype=torch.bool)
-    mask = torch.zeros(allowed.shape, dtype=model.dtype)
-    mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
+    for row, (token_ids, _, _) in enumerate(blocks):
+        input_ids[row, new - len(token_ids):] = token_ids
+    mask = blocking_mask(allowed, model.dtype)
     cache = kv.stack_left_padded([runner.cache for runner in runners], lengths, model.config)
     logits_for_last = max(keep for _, _, keep in blocks)
     output = model(
@@ -110,8 +103,7 @@ def forward_together(generators: list) -> list:
         for index, (runner, token_ids) in pending.items():
             # runners of other kinds (layer skipping) forward alone, and so does a block much wider than most
             # (a draft model catching up on a whole prompt), which would pad every other row to its width
-            together = (type(runner) is ModelRunner and runner.shares_batched_forward
-                        and len(token_ids) <= shared_width)
+            together = runner.batches and len(token_ids) <= shared_width
             groups.setdefault(id(runner.model) if together else ("alone", index), []).append(index)
         for indices in groups.values():
             runners = [pending[i][0] for i in indices]

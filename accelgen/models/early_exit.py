@@ -35,8 +35,9 @@ from typing import Callable, Protocol
 import torch
 
 from accelgen import cache as kv
+from accelgen.models.block import Block
 from accelgen.models.layouts import Decoder
-from accelgen.models.runner import ModelRunner, additive_mask
+from accelgen.models.runner import ModelRunner
 
 
 class ExitRule(Protocol):
@@ -63,7 +64,22 @@ class Pending:
     logits: torch.Tensor  # (k, vocab) the exit predictions they were decoded with
 
 
+@dataclass
+class Step:
+    """One decoding step's walk: where it started and left, and what it computed."""
+
+    start: int  # the first layer it went through
+    exit_layer: int  # the layer its logits come from
+    exited: bool  # exit_layer is below the last layer
+    hidden: torch.Tensor  # (1, 1, d) its hidden state at the exit
+    logits: torch.Tensor  # (vocab,) its logits there
+    exit_logits: dict[int, torch.Tensor]  # layer -> (vocab,) the exit logits the rule looked at
+    pending_hidden: torch.Tensor | None  # (1, k, d) the pending tokens' states, carried up to where the step left
+
+
 class EarlyExitRunner(ModelRunner):
+    batches = False  # decoding steps walk the layers themselves
+
     def __init__(self, model, rule: ExitRule, propagation: str = "copy", heads=None):
         super().__init__(model)
         if propagation not in PROPAGATIONS:
@@ -78,10 +94,10 @@ class EarlyExitRunner(ModelRunner):
 
     @property
     def length(self) -> int:
-        """Positions covered, read from the top layer, which every token writes (lower ones may be skipped),
-        plus pending tokens whose top-layer entries are still to come."""
+        """Positions covered: those the cache holds (read from its highest layer, which every token writes, while
+        SkipDecode leaves lower ones out), plus pending tokens whose top-layer entries are still to come."""
         waiting = 0 if self.pending is None else self.pending.hidden.shape[1]
-        return self.position_offset + kv.layer_length(self.cache, -1) + waiting
+        return super().length + waiting
 
     def reset(self) -> None:
         super().reset()
@@ -95,22 +111,48 @@ class EarlyExitRunner(ModelRunner):
             if self.pending is not None:
                 raise ValueError("early exit decodes one token at a time after the prompt")
             return super().forward(token_ids, tree, logits_for_last)
-        token, position = int(token_ids[0]), self.length
-        hidden = self.decoder.embed(token_ids, torch.tensor([[position]], device=self.device))  # (1, 1, d)
+        position = self.length
         pending, self.pending = self.pending, None
+        step = self._decode(token_ids, position, pending)
+        if pending is not None and step.exited and self.propagation == "synchronized":
+            # FREE: this token joins the pending ones; their deep layers wait for a token that goes deep
+            if step.exit_layer != pending.layer:
+                raise ValueError("synchronized decoding needs every exit at one layer")
+            self.pending = Pending(step.exit_layer, torch.cat([pending.hidden, step.hidden], dim=1),
+                                   torch.cat([pending.logits, step.logits[None]]))
+        else:
+            if pending is not None:
+                self._finish_pending(pending, step, position)
+            if step.exited and self.propagation == "copy":  # CALM: upper layers' KV from the exited state
+                walk = self._walk_inputs([position], step.hidden)
+                for layer in self.decoder.layers[step.exit_layer + 1 :]:
+                    self.decoder.attention_block(layer, step.hidden, mask=None, **walk)
+            elif step.exited:
+                self.pending = Pending(step.exit_layer, step.hidden, step.logits[None])
+        if not step.exited and self._learns:
+            for layer, shallow in step.exit_logits.items():
+                if layer < step.exit_layer:
+                    self.rule.observe(layer, shallow[None], step.logits[None])
+        self.layers_used.append(step.exit_layer + 1 - step.start)
+        return step.logits[None]
+
+    def _decode(self, token_ids: torch.Tensor, position: int, pending: Pending | None) -> "Step":
+        """One token (1,) at `position` through the layers from the rule's first one until the rule exits, the
+        pending tokens riding along as extra rows above their exit."""
+        token = int(token_ids[0])
+        hidden = self.decoder.embed(token_ids, torch.tensor([[position]], device=self.device))  # (1, 1, d)
         waiting = 0 if pending is None else pending.hidden.shape[1]
         alone = self._walk([position], hidden)
-        if pending is not None:  # above their exit, the pending tokens ride along as extra rows
-            together = self._walk(list(range(position - waiting, position + 1)), hidden)
-            pending_hidden = pending.hidden
-        head: dict[int, torch.Tensor] = {}  # layer -> exit logits, computed at most once per layer
+        together = None if pending is None else self._walk(list(range(position - waiting, position + 1)), hidden)
+        pending_hidden = None if pending is None else pending.hidden
+        exit_logits: dict[int, torch.Tensor] = {}  # layer -> exit logits, computed at most once per layer
 
         def logits_at(layer: int, state: torch.Tensor) -> Callable[[], torch.Tensor]:
             def logits() -> torch.Tensor:
-                if layer not in head:
+                if layer not in exit_logits:
                     adapted = state if self.heads is None else self.heads.adapt(layer, state)
-                    head[layer] = self.decoder.logits(adapted)[0, 0]
-                return head[layer]
+                    exit_logits[layer] = self.decoder.logits(adapted)[0, 0]
+                return exit_logits[layer]
             return logits
 
         start = self.rule.first_layer(position)
@@ -126,33 +168,18 @@ class EarlyExitRunner(ModelRunner):
                                                                         logits_at(index, hidden)):
                 exit_layer = index
                 break
-        exited = exit_layer < self.layer_count - 1
         logits = logits_at(exit_layer, hidden)()
-        if pending is not None and exited and self.propagation == "synchronized":
-            # FREE: this token joins the pending ones; their deep layers wait for a token that goes deep
-            if exit_layer != pending.layer:
-                raise ValueError("synchronized decoding needs every exit at one layer")
-            self.pending = Pending(exit_layer, torch.cat([pending.hidden, hidden], dim=1),
-                                   torch.cat([pending.logits, logits[None]]))
-        else:
-            if pending is not None:  # finish the pending tokens' layers above this token's exit
-                finish = self._walk(list(range(position - waiting, position)), pending_hidden)
-                for index in range(max(exit_layer, pending.layer) + 1, self.layer_count):
-                    pending_hidden = finish(index, pending_hidden)
-                if self._learns:
-                    self.rule.observe(pending.layer, pending.logits, self.decoder.logits(pending_hidden[0]))
-            if exited and self.propagation == "copy":  # CALM: upper layers' KV from the exited state
-                walk = self._walk_inputs([position], hidden)
-                for layer in self.decoder.layers[exit_layer + 1 :]:
-                    self.decoder.attention_block(layer, hidden, mask=None, **walk)
-            elif exited:
-                self.pending = Pending(exit_layer, hidden, logits[None])
-        if not exited and self._learns:
-            for layer, shallow in head.items():
-                if layer < exit_layer:
-                    self.rule.observe(layer, shallow[None], logits[None])
-        self.layers_used.append(exit_layer + 1 - start)
-        return logits[None]
+        return Step(start, exit_layer, exit_layer < self.layer_count - 1, hidden, logits, exit_logits, pending_hidden)
+
+    def _finish_pending(self, pending: Pending, step: "Step", position: int) -> None:
+        """Run the pending tokens' layers above both their exit and this step's (which they rode along to)."""
+        waiting = pending.hidden.shape[1]
+        hidden = step.pending_hidden
+        finish = self._walk(list(range(position - waiting, position)), hidden)
+        for index in range(max(step.exit_layer, pending.layer) + 1, self.layer_count):
+            hidden = finish(index, hidden)
+        if self._learns:
+            self.rule.observe(pending.layer, pending.logits, self.decoder.logits(hidden[0]))
 
     @property
     def _learns(self) -> bool:
@@ -170,12 +197,8 @@ class EarlyExitRunner(ModelRunner):
 
         def through(index: int, state: torch.Tensor) -> torch.Tensor:
             layer = self.decoder.layers[index]
-            mask = None  # one query sees the whole cache; several need a causal mask over the cache + themselves
-            if len(positions) > 1:
-                cached = self.cache.layers[index]
-                causal = torch.ones(len(positions), len(positions), dtype=torch.bool).tril()
-                mask = additive_mask(cached.keys.shape[-2] if cached.is_initialized else 0, causal, self.dtype,
-                                     self.device)
+            # this layer's cache may hold fewer positions than others (lower layers skipped, upper ones pending)
+            mask = Block.chain(kv.layer_length(self.cache, index), len(positions)).walk_mask(self.dtype, self.device)
             return self.decoder.layer(layer, state, mask=mask, **walk)
 
         return through

@@ -1,9 +1,7 @@
-"""A Llama-style decoder called one sub-block at a time, for code that leaves some of it out.
-
-PPD (exits/ppd.py), Medusa's check and the trainers of exits and heads (train/) walk `model.model` themselves
-through these helpers, which call the HF model's own modules, so no model code is copied. The runners that skip
-sub-blocks or exit early (layer_skip.py, early_exit.py, exit_draft.py) reach other layouts too, through
-models/layouts.py, of which these helpers are the Llama case.
+"""A Llama-style decoder walked layer by layer over whole sequences, without a cache: the trainers of exits and
+heads (train/) read every layer's output through these helpers, which call the HF model's own modules, so no
+model code is copied. Runners that walk the layers during generation (a layer plan in models/runner.py, early
+exit, LayerSkip's shared cache, PPD) reach other layouts too, through models/layouts.py.
 
 Supported: decoder layers of the Llama family shape (`input_layernorm`, `self_attn`, `post_attention_layernorm`,
 `mlp`), as in Llama, Qwen2, Mistral and SmolLM2.
@@ -15,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from accelgen.models import layouts
+from accelgen.models.block import Block
 
 SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -31,30 +29,6 @@ def llama_decoder(model, purpose: str):
     return decoder
 
 
-def attention_block(layer, hidden: torch.Tensor, *, mask, positions, cache, position_embeddings) -> torch.Tensor:
-    """hidden (1, m, d) + the layer's self-attention of it; appends the m positions' keys and values to `cache`."""
-    return layouts.attention_block(layouts.LLAMA, layer, hidden, mask=mask, positions=positions, cache=cache,
-                                   position_embeddings=position_embeddings)
-
-
-def mlp_block(layer, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden (1, m, d) + the layer's MLP of it."""
-    return layouts.mlp_block(layouts.LLAMA, layer, hidden)
-
-
-def through_layers(decoder, layers, hidden: torch.Tensor, *, positions: torch.Tensor, mask, cache) -> torch.Tensor:
-    """hidden (1, m, d) at positions (1, m) through the decoder layers `layers` (indices, increasing), each
-    attending to its cache and, as `mask` allows ((1, 1, m, cached + m) additive, or None for one token),
-    to the m new tokens; every layer appends their keys and values to its cache."""
-    position_embeddings = decoder.rotary_emb(hidden, positions)
-    for index in layers:
-        layer = decoder.layers[index]
-        hidden = attention_block(layer, hidden, mask=mask, positions=positions, cache=cache,
-                                 position_embeddings=position_embeddings)
-        hidden = mlp_block(layer, hidden)
-    return hidden
-
-
 def exit_logits(model, decoder, hidden: torch.Tensor) -> torch.Tensor:
     """Next-token logits read from any layer's hidden states (.., d): the final norm, then the LM head; float32."""
     return model.lm_head(decoder.norm(hidden)).float()
@@ -68,9 +42,7 @@ def layer_outputs(model, decoder, token_ids: torch.Tensor,
     hidden = decoder.embed_tokens(token_ids)
     length = token_ids.shape[1]
     positions = torch.arange(length, device=model.device)[None]
-    blocked = torch.ones(length, length, dtype=torch.bool, device=model.device).triu(1)
-    mask = torch.zeros(length, length, dtype=hidden.dtype, device=model.device).masked_fill(blocked, torch.finfo(hidden.dtype).min)
-    walk = dict(attention_mask=mask[None, None], position_ids=positions,
+    walk = dict(attention_mask=Block.chain(0, length).mask(hidden.dtype, model.device), position_ids=positions,
                 position_embeddings=decoder.rotary_emb(hidden, positions))
     for index, layer in enumerate(decoder.layers):
         output = layer(hidden, **walk)

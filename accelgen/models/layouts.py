@@ -6,7 +6,7 @@ Two descriptions, keyed by `config.model_type`:
   walking the blocks with biases at the tree's positions (`alibi_tree_hidden`).
 - `DecoderLayout`: decoders whose layers are two residual sub-blocks (norm -> attention, norm -> MLP), one after
   the other or in parallel, with or without norms after them, for the runners that skip sub-blocks or leave
-  the stack early (layer_skip.py, early_exit.py, exit_draft.py).
+  the stack early (a layer plan in runner.py, early_exit.py, LayerSkip's and PPD's runners).
 A model that is not described is refused by name where a description is needed; no model code is copied.
 """
 
@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from accelgen.cache import cache_keyword, layer_windows
+from accelgen.models.block import blocking_mask
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,10 @@ def alibi_tree_hidden(model, layout: AlibiLayout, token_ids: torch.Tensor, allow
         hidden = getattr(decoder, layout.embeddings_norm)(hidden)
     table = layout.key_biases(decoder, int(key_positions.max()) + 1, hidden.dtype)  # (heads, 1, positions)
     bias = table[..., key_positions.to(table.device)]  # (heads, 1, n)
-    blocked = ~allowed.to(model.device)
     if layout.blocked_mask:
-        mask = blocked[None, None]
+        mask = ~allowed[None, None].to(model.device)
     else:
-        mask = torch.zeros(blocked.shape, dtype=hidden.dtype, device=model.device)
-        mask = mask.masked_fill(blocked, torch.finfo(hidden.dtype).min)[None, None]
+        mask = blocking_mask(allowed, hidden.dtype)[None, None].to(model.device)
     for block in getattr(decoder, layout.blocks):
         hidden = block(hidden, layer_past=cache, attention_mask=mask, use_cache=True, **{layout.bias_keyword: bias})[0]
     return getattr(decoder, layout.final_norm)(hidden)[0]
@@ -255,11 +254,6 @@ def attention_block(layout: DecoderLayout, layer, hidden: torch.Tensor, *, mask,
                          position_embeddings=position_embeddings, **{cache_keyword(attention): cache},
                          **dict(layout.attention_options))[0]
     return hidden + _norm(layer, layout.attention_output_norm, attended) * scale
-
-
-def mlp_block(layout: DecoderLayout, layer, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden (1, m, d) + the layer's MLP of it."""
-    return hidden + mlp_output(layout, layer, hidden)
 
 
 def mlp_output(layout: DecoderLayout, layer, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from accelgen.models.block import Block
+
 XLLAMACPP_VERSION = "2026.10.11549"  # the context-parameter layout below was read off this build
 CONTEXT_TOKENS = 4096
 BATCH_TOKENS = 512
@@ -169,6 +171,7 @@ class LlamaCppRunner:
 
     position_offset = 0
     hidden = None
+    batches = False  # each context decodes alone (models/batch.py)
 
     def __init__(self, model: LlamaCppModel):
         so = library()
@@ -197,6 +200,9 @@ class LlamaCppRunner:
     @property
     def keep_hidden(self) -> bool:
         return False
+
+    def describe(self) -> dict:
+        return {}
 
     @keep_hidden.setter
     def keep_hidden(self, value: bool) -> None:
@@ -259,7 +265,7 @@ class LlamaCppRunner:
         """Positions and sequence ids of a tree's tokens: each leaf gets a sequence sharing the cached
         context, each token belongs to the sequences of the leaves it is an ancestor (or itself) of."""
         so = library()
-        depth = tree.sum(dim=-1) - 1  # (m,)
+        depth = Block(0, tree).positions  # (m,) each token's depth: its position after an empty cache
         is_leaf = tree.sum(dim=0) == 1  # nobody else has it as an ancestor
         leaves = torch.nonzero(is_leaf).flatten().tolist()
         if len(leaves) >= MAX_SEQUENCES:

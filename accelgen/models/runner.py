@@ -10,18 +10,34 @@ model's own masks do for a chain. ALiBi models score trees through their blocks 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from accelgen import cache as kv
-from accelgen.models.layouts import alibi_layout, alibi_tree_hidden, check_tree_positions
+from accelgen.draft import causal
+from accelgen.models.block import Block, blocking_mask
+from accelgen.models.layouts import Decoder, alibi_layout, alibi_tree_hidden, check_tree_positions
 from accelgen.models.llamacpp import LlamaCppModel
 
 # HF's names of the attention layer types whose masks a model takes as a dict (models mixing both: Gemma 2 and 3)
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
+class LayerPlan(Protocol):
+    """How a runner walks the decoder's layers itself, rather than through the model's own forward: per layer,
+    whether it runs its attention and its MLP sub-block (a layer whose attention is skipped never writes to its
+    cache). Plans live in their method files (self-speculative's skip set: drafters/self_speculative.py)."""
+
+    purpose: str  # the method, named in errors about layouts it cannot walk
+
+    def sub_blocks(self, layer: int) -> tuple[bool, bool]:
+        """(attend, feed): whether the layer runs its attention, and its MLP."""
+        ...
+
+
 class ModelRunner:
-    def __init__(self, model):
+    def __init__(self, model, plan: LayerPlan | None = None):
         if getattr(model, "_is_stateful", False):  # HF's own mark of a model whose state cannot be rolled back
             raise ValueError(f"{type(model).__name__} is a recurrent (stateful) model: accelgen needs a KV cache it "
                              f"can roll back after a rejected draft, as HF's assisted generation does")
@@ -39,15 +55,25 @@ class ModelRunner:
         # positions the cache leaves out: a sparse cache (TriForce's retrieval and StreamingLLM caches) holds
         # only some of the positions before its newest entries, which still have their true positions
         self.position_offset = 0
-        # drafters that read the target's last hidden states (Medusa, EAGLE) set keep_hidden; `hidden` then holds
-        # the final (normed) hidden state of every cached position, (cached, d), rolled back with the cache
+        # set by the loop for methods whose drafter reads the target's last hidden states (Medusa, EAGLE:
+        # MethodSpec.reads_target_hidden); `hidden` then holds the final (normed) hidden state of every cached
+        # position, (cached, d), rolled back with the cache
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
+        self.plan = plan
+        self.decoder = None if plan is None else Decoder(model, plan.purpose)
 
     @property
     def length(self) -> int:
-        """Number of positions the KV cache covers: those it holds, plus `position_offset` left out."""
+        """Number of positions the KV cache covers: those it holds (its highest layer's, which verified tokens
+        all reach), plus `position_offset` left out."""
         return self.position_offset + kv.cache_length(self.cache)
+
+    @property
+    def batches(self) -> bool:
+        """Whether this runner's forwards may share a padded batched forward with other runners' (models/batch.py):
+        through the model's own forward (no plan), with no hidden states to keep, and masks a batch expresses."""
+        return self.plan is None and not self.keep_hidden and self.shares_batched_forward
 
     @property
     def shares_batched_forward(self) -> bool:
@@ -78,22 +104,17 @@ class ModelRunner:
         """
         if appended is not None and tree is not None:
             raise ValueError("appended embeddings follow a chain, not a tree")
-        start = self.length
+        if self.plan is not None:
+            return self._walk(token_ids, tree, logits_for_last, appended)
         m = token_ids.shape[0] + (0 if appended is None else appended.shape[0])
-        if tree is None:
-            positions = torch.arange(start, start + m)
-            mask = None  # the model builds its own causal mask over cache + new tokens
-        else:
-            tree_start = start - (tree.shape[1] - tree.shape[0])  # where the tree's first level sits
-            positions = tree_start + tree.sum(dim=-1) - 1  # depth = number of ancestors
-            cached = kv.cache_length(self.cache)
-            allowed = attention_allowed(cached, tree)
-            keys = key_positions(cached, tree, tree_start - self.position_offset)
+        block = self._block(causal(m) if tree is None else tree)
+        mask = None  # for a chain, the model builds its own causal mask over cache + new tokens
+        if tree is not None:
             if self.alibi is not None:  # the model's forward would bias tree nodes by cache index, not depth
-                return self._alibi_tree(token_ids, allowed, keys, logits_for_last)
+                return self._alibi_tree(token_ids, block, logits_for_last)
             check_tree_positions(self.config)
-            mask = self._tree_mask(allowed, positions, keys)
-        inputs = dict(position_ids=positions.to(self.device)[None], attention_mask=mask, use_cache=True,
+            mask = self._tree_mask(block)
+        inputs = dict(position_ids=block.positions.to(self.device)[None], attention_mask=mask, use_cache=True,
                       **{kv.cache_keyword(self.model): self.cache})
         if appended is None:
             inputs["input_ids"] = token_ids.to(self.device)[None]
@@ -115,28 +136,50 @@ class ModelRunner:
         self._keep_hidden(decoded[0][0])
         return logits
 
+    def _block(self, pattern: torch.Tensor) -> Block:
+        return Block(kv.cache_length(self.cache), pattern, self.position_offset)
+
+    def _walk(self, token_ids: torch.Tensor, tree: torch.Tensor | None, logits_for_last: int,
+              appended: torch.Tensor | None) -> torch.Tensor:
+        """As forward, walking the layers as the plan says."""
+        if appended is not None or self.keep_hidden:
+            raise ValueError(f"{self.plan.purpose} walks the layers itself: it neither takes appended embeddings "
+                             f"nor keeps hidden states")
+        block = self._block(causal(token_ids.shape[0]) if tree is None else tree)
+        positions = block.positions[None].to(self.device)
+        hidden = self.decoder.embed(token_ids, positions)
+        walk = dict(mask=block.mask(self.dtype, self.device), cache=self.cache,
+                    **self.decoder.walk_inputs(hidden, positions))
+        for index, layer in enumerate(self.decoder.layers):
+            attend, feed = self.plan.sub_blocks(index)
+            hidden = self.decoder.layer(layer, hidden, attend=attend, feed=feed, **walk)
+        return self.decoder.logits(hidden[:, -logits_for_last:])[0]
+
     def _keep_hidden(self, hidden: torch.Tensor) -> None:
         """Append the final hidden states (m, d) of a forward's tokens, if kept."""
         if self.keep_hidden:
             self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden])
 
-    def _alibi_tree(self, token_ids: torch.Tensor, allowed: torch.Tensor, keys: torch.Tensor,
-                    logits_for_last: int) -> torch.Tensor:
-        hidden = alibi_tree_hidden(self.model, self.alibi, token_ids, allowed, keys + self.position_offset, self.cache)
+    def _alibi_tree(self, token_ids: torch.Tensor, block: Block, logits_for_last: int) -> torch.Tensor:
+        hidden = alibi_tree_hidden(self.model, self.alibi, token_ids, block.allowed,
+                                   block.key_indices + self.position_offset, self.cache)
         self._keep_hidden(hidden)
         return self.model.get_output_embeddings()(hidden[-logits_for_last:]).float()  # ALiBi models scale no logits
 
-    def _tree_mask(self, allowed: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor):
-        """The additive mask (1, 1, m, n) of a tree whose new tokens at positions (m,) see the keys allowed
-        (m, n) bool, at positions keys (n,) (counted in the cache); with a sliding window, the mask of the
-        windowed layers has the keys that are window or more positions back blocked too, and a model that also
-        has full-attention layers gets both masks, by HF's layer type names."""
-        full = blocking_mask(allowed, self.dtype)[None].to(self.device)
+    def _tree_mask(self, block: Block):
+        """The additive mask (1, 1, m, n) of a tree block; with a sliding window, the mask of the windowed layers
+        has the keys that are window or more positions back blocked too, and a model that also has
+        full-attention layers gets both masks, by HF's layer type names."""
+        full = block.mask(self.dtype, self.device)
         if self.window is None:
             return full
-        within = (positions - self.position_offset)[:, None] - keys[None, :] < self.window
-        windowed = blocking_mask(allowed & within, self.dtype)[None].to(self.device)
+        within = (block.positions - self.position_offset)[:, None] - block.key_indices[None, :] < self.window
+        windowed = blocking_mask(block.allowed & within, self.dtype)[None, None].to(self.device)
         return {FULL: full, SLIDING: windowed} if self.mixed_attention else windowed
+
+    def describe(self) -> dict:
+        """What the runner's own way of decoding did, for the result's stats (early exit: layers used); {} here."""
+        return {}
 
     def keep(self, prefix: int, rows: list[int]) -> None:
         """Keep the first `prefix` cached positions, then the rows `rows` (increasing) of the last forward.
@@ -161,30 +204,6 @@ def runner_for(model):
     return model.new_runner() if isinstance(model, LlamaCppModel) else ModelRunner(model)
 
 
-def additive_mask(cached: int, pattern: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    """(1, 1, m, cached + m) additive attention mask: each of m new tokens sees the whole cache, then the new
-    tokens that pattern (m, m) bool allows it (its tree ancestors and itself, or the causal triangle).
-    A pattern (m, t + m) also says which of the last t cached positions each new token sees."""
-    return blocking_mask(attention_allowed(cached, pattern), dtype)[None].to(device)
-
-
-def attention_allowed(cached: int, pattern: torch.Tensor) -> torch.Tensor:
-    """(m, cached + m) bool: the keys each of m new tokens sees (see additive_mask), before any window."""
-    m, covered = pattern.shape
-    return torch.cat([torch.ones(m, cached + m - covered, dtype=torch.bool), pattern.cpu()], dim=1)
-
-
-def key_positions(cached: int, pattern: torch.Tensor, tree_start: int) -> torch.Tensor:
-    """(cached + m,) long: the position of every key a tree forward attends to, counted in the cache: the cached
-    positions before the tree, then the tree's nodes (pattern (m, t + m): its t cached nodes, then the m new
-    ones), each at tree_start + its depth. A node's depth is read off any row that sees it: its ancestors are
-    exactly the earlier columns that row sees. (A node that no new row sees is blocked: its position is moot.)"""
-    m, covered = pattern.shape
-    pattern = pattern.cpu()
-    depths = torch.where(pattern, pattern.cumsum(dim=1) - 1, -1).amax(dim=0).clamp(min=0)  # (t + m,)
-    return torch.cat([torch.arange(cached + m - covered), tree_start + depths])
-
-
 def sliding_window(windows: list[int | None]) -> int | None:
     """The one sliding window of a model's windowed layers (windows: per layer, None for full attention), None
     if it has none. HF passes a model one mask per layer type, so layers with different windows are refused."""
@@ -193,10 +212,3 @@ def sliding_window(windows: list[int | None]) -> int | None:
         raise ValueError(f"this model's layers have different sliding windows ({sorted(sizes)}); accelgen's masks "
                          f"take one window per model")
     return next(iter(sizes), None)
-
-
-def blocking_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(1, m, n) additive attention mask from allowed (m, n) bool: 0 where allowed, the dtype's minimum elsewhere."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None]

@@ -31,7 +31,7 @@ import torch
 from accelgen.atomic import CorruptFileError, load_tensors, save_tensors_atomically
 from accelgen.heads.eagle import EagleHead, new_head
 from accelgen.heads.lm_head import draft_vocabulary
-from accelgen.models.runner import additive_mask
+from accelgen.models.block import Block
 from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
 FEATURES = "features.safetensors"  # the target's features and choices over the training windows
@@ -39,8 +39,8 @@ FEATURES = "features.safetensors"  # the target's features and choices over the 
 
 def whole_windows(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions (1, length), causal additive mask (1, 1, length, length)): the head over whole windows."""
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    return torch.arange(length)[None], additive_mask(0, causal, torch.float32, "cpu")
+    block = Block.chain(0, length)
+    return block.positions[None], block.mask(torch.float32, "cpu")
 
 
 @torch.no_grad()

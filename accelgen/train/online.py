@@ -43,7 +43,7 @@ import torch
 from accelgen.atomic import save_figure_atomically
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext
-from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, check_vocabularies, scheduled
+from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, scheduled_draft_model_drafter
 from accelgen.generate import generate
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.train.distill import Example, check_divergence, distillation_step, trainable_parameters
@@ -146,7 +146,7 @@ class OnlineDrafter(DraftModelDrafter):
     """`speculative`'s drafter that also records its rejected drafts in a learner, and tells it when the
     request ends (close)."""
 
-    def __init__(self, draft_model, learner: OnlineLearner, sampling, generator, *, interval: int = 5,
+    def __init__(self, draft_model, sampling, generator, *, learner: OnlineLearner, interval: int = 5,
                  buffer_size: int = 512, divergence: str = "fkl", learning_rate: float = 1e-5, update_steps: int = 4,
                  target_top_k: int = 32, train_layers: int | None = None, **draft_options):
         for name, value in (("interval", interval), ("buffer_size", buffer_size), ("update_steps", update_steps),
@@ -205,12 +205,8 @@ class OnlineOptions(DraftingOptions, LearningOptions):
 
 
 def _make(build: BuildContext, options: OnlineOptions) -> OnlineDrafter:
-    check_vocabularies(build.target_model, build.draft_model)
-    settings = options.as_dict()
-    learner = settings.pop("learner")
-    drafter = OnlineDrafter(build.draft_model, OnlineLearner() if learner is None else learner, build.sampling,
-                            build.generator, **settings)
-    return scheduled(drafter, build.target_model, build.draft_model)
+    learner = OnlineLearner() if options.learner is None else options.learner
+    return scheduled_draft_model_drafter(build, OnlineDrafter, **{**options.as_dict(), "learner": learner})
 
 
 register(

@@ -24,7 +24,7 @@ import torch
 from accelgen import cache as kv
 from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.layerwise import llama_decoder
-from accelgen.models.runner import blocking_mask
+from accelgen.models.block import blocking_mask
 
 
 def new_embeddings(model, count: int, seed: int = 0) -> LookaheadEmbeddings:
@@ -72,7 +72,7 @@ def slot_logits(model, embeddings: LookaheadEmbeddings, windows: torch.Tensor, c
         hidden = decoder(input_ids=windows.to(model.device), use_cache=True, **{kv.cache_keyword(decoder): cache}).last_hidden_state
         rows = hidden[torch.arange(len(windows))[:, None], positions]  # (b, c·k, d) the rows that choose the labels
         labels = lm_head(rows).argmax(-1)
-    masks = torch.stack([blocking_mask(allowed, model.dtype) for _, allowed in layouts])  # (b, 1, c·k, n + c·k)
+    masks = torch.stack([blocking_mask(allowed, model.dtype)[None] for _, allowed in layouts])  # (b, 1, c·k, n + c·k)
     inputs = embeddings.vectors.to(model.dtype).repeat(len(cuts), cuts.shape[1], 1)  # (b, c·k, d)
     slots = decoder(inputs_embeds=inputs, position_ids=positions.to(model.device), attention_mask=masks.to(model.device),
                     use_cache=True, **{kv.cache_keyword(decoder): cache}).last_hidden_state

@@ -84,8 +84,8 @@ def test_the_head_cache_keeps_only_true_features(tiny_target, head_folder, asser
     runners, scorers = [], []
     for _ in range(2):
         runner = ModelRunner(tiny_target)
-        scorer = EagleScorer(tiny_target, head)
-        scorer.attach(runner)
+        runner.keep_hidden = True  # as the loop does for a method that reads the target's hidden states
+        scorer = EagleScorer(runner, head)
         runners.append(runner)
         scorers.append(scorer)
     runners[0].forward(context[:6])  # in two steps, with a tree drafted in between
@@ -102,8 +102,8 @@ def test_the_head_cache_keeps_only_true_features(tiny_target, head_folder, asser
 def test_a_draft_vocabulary_leaves_other_tokens_out(tiny_target, head_folder):
     head = EagleHead.load(head_folder, tiny_target)
     runner = ModelRunner(tiny_target)
-    scorer = EagleScorer(tiny_target, head)
-    scorer.attach(runner)
+    runner.keep_hidden = True
+    scorer = EagleScorer(runner, head)
     runner.forward(torch.tensor(PROMPT[:-1]))
     logits = scorer.root_logits(PROMPT)
     outside = torch.ones(len(logits), dtype=torch.bool)

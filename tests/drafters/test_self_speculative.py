@@ -8,7 +8,7 @@ import torch
 import accelgen
 from accelgen.drafters.self_speculative import SKIP_FILE, default_skip, resolve_skip
 from accelgen.draft import ROOT, tree_attention
-from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.drafters.self_speculative import skipping_runner
 from accelgen.models.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,7 +19,7 @@ SKIP_SECOND = {"skip_attention": [1], "skip_mlp": [1]}
 
 def test_skipping_nothing_is_the_model_itself(tiny_target, assert_reordered):
     """The runner's own walk through the modules gives the model's logits, for a chain and then a tree."""
-    ours, reference = LayerSkipRunner(tiny_target, [], []), ModelRunner(tiny_target)
+    ours, reference = skipping_runner(tiny_target, [], []), ModelRunner(tiny_target)
     assert_reordered(ours.forward(torch.tensor(PROMPT)), reference.forward(torch.tensor(PROMPT)))
     tree = tree_attention(torch.tensor([ROOT, 0, ROOT]))[1:, 1:]
     assert_reordered(ours.forward(torch.tensor([3, 4, 5]), tree), reference.forward(torch.tensor([3, 4, 5]), tree))
@@ -27,7 +27,7 @@ def test_skipping_nothing_is_the_model_itself(tiny_target, assert_reordered):
 
 
 def test_skipped_layers_change_the_draft_and_leave_their_cache_empty(tiny_target):
-    runner = LayerSkipRunner(tiny_target, skip_attention=[0], skip_mlp=[1])
+    runner = skipping_runner(tiny_target, skip_attention=[0], skip_mlp=[1])
     logits = runner.forward(torch.tensor(PROMPT))
     assert not torch.allclose(logits, ModelRunner(tiny_target).forward(torch.tensor(PROMPT)))
     assert not runner.cache.layers[0].is_initialized and runner.length == len(PROMPT)  # read from layer 1

@@ -20,10 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import accelgen
 from accelgen.models.early_exit import EarlyExitRunner
-from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.drafters.self_speculative import skipping_runner
 from accelgen.models.layouts import DECODER_LAYOUTS
 from accelgen.models.runner import ModelRunner
 from accelgen.heads.medusa import MedusaHeads
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # these tiny models run fastest on one thread
 
 VOCAB = 1024
 PROMPT = [5, 17, 923, 410, 77, 12, 5, 17, 923]  # repeats itself, so that n-gram drafts find matches
@@ -107,7 +109,7 @@ def build(name: str):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **options)).eval()
 
 
-def greedy(model, eos: int) -> list[int]:
+def hf_greedy(model, eos: int) -> list[int]:
     """HF's own greedy continuation of PROMPT, new tokens only, stopping at `eos` as accelgen does."""
     output = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos,
                             pad_token_id=eos)
@@ -142,15 +144,6 @@ def medusa_heads(tmp_path_factory):
     return save_random_medusa_heads(tmp_path_factory.mktemp("medusa") / "random")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tiny models run fastest on one thread, the more so while other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def built():
     """name -> what model_and_reference built."""
@@ -162,7 +155,7 @@ def model_and_reference(built, name: str, eos: int):
     refuses), built once per module."""
     if name not in built:
         model = build(name)
-        built[name] = (model, None if ARCHITECTURES[name][0] == "mamba" else greedy(model, eos))
+        built[name] = (model, None if ARCHITECTURES[name][0] == "mamba" else hf_greedy(model, eos))
     return built[name]
 
 
@@ -213,7 +206,7 @@ def test_described_layouts_walked_in_full_give_the_models_own_logits(built, toke
     reach = min(8, ARCHITECTURES[name][1].get("sliding_window", 8))  # positions 0..reach-1: inside the window
     tokens = torch.tensor(PROMPT[: reach // 2])
     reference = ModelRunner(model).forward(tokens)
-    assert_reordered(LayerSkipRunner(model, skip_attention=[], skip_mlp=[]).forward(tokens), reference)
+    assert_reordered(skipping_runner(model, skip_attention=[], skip_mlp=[]).forward(tokens), reference)
 
     class NeverExit:
         def first_layer(self, position):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from accelgen.models.early_exit import EarlyExitRunner
-from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.drafters.self_speculative import skipping_runner
 from accelgen.models.runner import ModelRunner
 
 PROMPT = [5, 17, 923, 4410, 77, 12]
@@ -49,7 +49,7 @@ def test_a_rule_that_never_exits_gives_the_models_own_logits(four_layers, assert
 def test_an_exit_reads_the_exit_layer_and_fills_the_upper_caches(four_layers, assert_reordered):
     runner = EarlyExitRunner(four_layers, Rule(exit_after=1))
     runner.forward(torch.tensor(PROMPT))
-    lower_only = LayerSkipRunner(four_layers, skip_attention=[2, 3], skip_mlp=[2, 3])
+    lower_only = skipping_runner(four_layers, skip_attention=[2, 3], skip_mlp=[2, 3])
     lower_only.cache = copy.deepcopy(runner.cache)  # same prompt cache: the exit depends on layers 0-1 only
     logits = runner.forward(torch.tensor([DECODED[0]]))
     assert_reordered(logits, lower_only.forward(torch.tensor([DECODED[0]])))
@@ -63,7 +63,7 @@ def test_an_exit_reads_the_exit_layer_and_fills_the_upper_caches(four_layers, as
 def test_skipping_lower_layers_keeps_the_length_from_the_top(four_layers, assert_reordered):
     runner = EarlyExitRunner(four_layers, Rule(start=2))
     runner.forward(torch.tensor(PROMPT))
-    upper_only = LayerSkipRunner(four_layers, skip_attention=[0, 1], skip_mlp=[0, 1])
+    upper_only = skipping_runner(four_layers, skip_attention=[0, 1], skip_mlp=[0, 1])
     upper_only.cache = copy.deepcopy(runner.cache)
     assert_reordered(runner.forward(torch.tensor([DECODED[0]])), upper_only.forward(torch.tensor([DECODED[0]])))
     assert [layer.keys.shape[-2] for layer in runner.cache.layers] == [6, 6, 7, 7]
@@ -84,7 +84,7 @@ def test_recomputation_leaves_the_full_models_cache(four_layers, assert_reordere
     """EE-LLM: a token that exits gets its upper layers computed in the next step, from its own state, so the
     cache ends up exactly the full model's, while each prediction still comes from the exit layer."""
     runner = EarlyExitRunner(four_layers, Rule(exit_after=1), propagation="recompute")
-    full, lower_only = ModelRunner(four_layers), LayerSkipRunner(four_layers, skip_attention=[2, 3], skip_mlp=[2, 3])
+    full, lower_only = ModelRunner(four_layers), skipping_runner(four_layers, skip_attention=[2, 3], skip_mlp=[2, 3])
     runner.forward(torch.tensor(PROMPT))
     full.forward(torch.tensor(PROMPT))
     for step, token in enumerate(DECODED):
@@ -139,7 +139,7 @@ def test_synchronized_decoding_runs_waiting_tokens_beside_the_next_deep_one(four
     up exactly the full model's; the rule sees exit predictions beside the deep ones."""
     rule = ExitTwiceThenGoDeep(seen=[])
     runner = EarlyExitRunner(four_layers, rule, propagation="synchronized")
-    full, lower_only = ModelRunner(four_layers), LayerSkipRunner(four_layers, skip_attention=[2, 3], skip_mlp=[2, 3])
+    full, lower_only = ModelRunner(four_layers), skipping_runner(four_layers, skip_attention=[2, 3], skip_mlp=[2, 3])
     runner.forward(torch.tensor(PROMPT))
     full.forward(torch.tensor(PROMPT))
     for step, token in enumerate(DECODED):

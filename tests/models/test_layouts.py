@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from accelgen.draft import tree_attention
-from accelgen.models.layer_skip import LayerSkipRunner
+from accelgen.drafters.self_speculative import skipping_runner
 from accelgen.models.layouts import decoder_layout
 from accelgen.models.runner import ModelRunner
 
@@ -42,7 +42,7 @@ def test_skipping_a_parallel_layers_mlp_leaves_its_attention(assert_reordered):
     """GPT-J: attention and MLP both read the layer's input; skipping every MLP equals zeroing their output."""
     model = _tiny("gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=8)
     tokens = torch.tensor([5, 9, 13, 17])
-    skipped = LayerSkipRunner(model, skip_attention=[], skip_mlp=[0, 1]).forward(tokens)
+    skipped = skipping_runner(model, skip_attention=[], skip_mlp=[0, 1]).forward(tokens)
     for block in model.transformer.h:
         torch.nn.init.zeros_(block.mlp.fc_out.weight)
         torch.nn.init.zeros_(block.mlp.fc_out.bias)
@@ -59,7 +59,7 @@ def test_an_undescribed_alibi_model_refuses_trees_but_not_chains():
 
 def test_a_walk_stops_where_the_sliding_window_would_leave_positions_out():
     model = _tiny("mistral", intermediate_size=128, num_key_value_heads=2, sliding_window=4)
-    runner = LayerSkipRunner(model, skip_attention=[1], skip_mlp=[])
+    runner = skipping_runner(model, skip_attention=[1], skip_mlp=[])
     runner.forward(torch.tensor([5, 9, 13, 17]))  # positions 0..3: inside the window
     with pytest.raises(ValueError, match="within its sliding window of 4 positions; this sequence reaches position 4"):
         runner.forward(torch.tensor([21]))

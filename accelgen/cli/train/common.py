@@ -4,11 +4,12 @@ a model with token windows (or hidden states) of a dataset to train on."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from accelgen.cli.common import console, set_threads
+from accelgen.atomic import write_json_atomically
+from accelgen.cli.common import FILE_ERRORS, console, reported_errors, set_threads
 from accelgen.cli.flags import REQUIRED, flag
 
 TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
@@ -16,6 +17,7 @@ TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or 
 FROZEN_DTYPE_HELP = "Dtype of the frozen model (default: its embedded one)."
 DATASET_HELP = "sharegpt or jsonl:FILE."
 HELD_OUT_HELP = "Further windows kept out of training, to evaluate on."
+TARGET_HELP = "Target: embedded name, HF id or local folder."  # where a draft model is trained for it
 
 
 def model_flag(default: Any = "smollm2-135m", help: str = "Embedded name, HF id or local folder.") -> Any:
@@ -156,14 +158,31 @@ def windows_and_features(run: FeaturesRun) -> FeatureWindows:
     return FeatureWindows(target_model, data, cached, choices, run.held_out)
 
 
-def trained_head(run: FeaturesRun, data: FeatureWindows, steps: int, train: Callable, status: str):
-    """The head that train(target, windows, features, choices, progress=...) -> (head, times) fits to the windows
-    held in, saved in --out for the run's model; (head, times)."""
-    with progress_bar(steps) as show:
-        head, times = train(data.target_model, *data.training(), progress=lambda row: show(row, status))
+def trained_head(run: FeaturesRun, data: FeatureWindows, config, train: Callable, status: str):
+    """(head, times): the head that train(target, windows, features, choices, config=, out_dir=, progress=) ->
+    (head, times) fits to the windows held in, checkpointed in and saved to --out for the run's model."""
+    with progress_bar(config.steps) as show:
+        head, times = train(data.target_model, *data.training(), config=config, out_dir=run.out,
+                            progress=lambda row: show(row, status))
     head.base_model = run.model
     head.save(run.out)
     return head, times
+
+
+def train_and_evaluate_head(run: FeaturesRun, config, train: Callable, evaluate: Callable, status: str):
+    """(times, evaluation): the trained_head on the run's windows and features, then
+    evaluate(target, head, windows, features, choices) on the windows held out."""
+    with reported_errors(FILE_ERRORS):
+        data = windows_and_features(run)
+        head, times = trained_head(run, data, config, train, status)
+        return times, evaluate(data.target_model, head, *data.evaluation())
+
+
+def save_evaluation(run: FeaturesRun, config, times: dict, evaluation: dict) -> None:
+    """--out/evaluation.json: the held-out evaluation, with the config and the training's times."""
+    write_json_atomically(Path(run.out) / "evaluation.json", {
+        "held_out_windows": run.held_out, "config": asdict(config), "training_seconds": times["seconds"],
+        "resumed_at": times["resumed_at"], **evaluation})
 
 
 def target_and_trainable_draft(model: str, draft: str, dtype: str | None, threads: int | None):

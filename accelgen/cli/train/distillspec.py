@@ -12,10 +12,8 @@ from rich.console import Console
 
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import REQUIRED, Flags, command, flag
-from accelgen.cli.train.common import (draft_flag, model_flag, out_flag, progress_bar, target_and_trainable_draft,
-                                       threads_flag)
-
-TARGET_HELP = "Target: embedded name, HF id or local folder."
+from accelgen.cli.train.common import (TARGET_HELP, draft_flag, model_flag, out_flag, progress_bar,
+                                       target_and_trainable_draft, threads_flag)
 
 
 @dataclass

@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
 
-from accelgen.atomic import write_json_atomically
-from accelgen.cli.common import FILE_ERRORS, console, reported_errors
+from accelgen.cli.common import console
 from accelgen.cli.flags import Flags, command
-from accelgen.cli.train.common import FeaturesRun, features_flag, out_flag, trained_head, windows_and_features
+from accelgen.cli.train.common import FeaturesRun, features_flag, out_flag, save_evaluation, train_and_evaluate_head
 from accelgen.train.medusa import MedusaConfig
 
 
@@ -29,23 +27,19 @@ def medusa(run: MedusaRun, config: MedusaConfig) -> None:
 
     from accelgen.train.medusa import evaluate_medusa, train_medusa
 
-    out = run.out
-    with reported_errors(FILE_ERRORS):
-        data = windows_and_features(run)
-        trained, training = trained_head(run, data, config.steps, partial(train_medusa, config=config, out_dir=out),
-                                         "loss {loss:.3f}, head 1 top-1 {accuracy[0]:.0%}, "
-                                         "{positions_per_second:.0f} positions/s")
-        _, features, choices = data.evaluation()
-        evaluation = evaluate_medusa(data.target_model, trained, features, choices)
+    def evaluate(target_model, heads, windows, features, choices):  # (count, n), (count, n, d), (count, n)
+        return evaluate_medusa(target_model, heads, features, choices)  # the heads read the features alone
+
+    training, evaluation = train_and_evaluate_head(run, config, train_medusa, evaluate,
+                                                   "loss {loss:.3f}, head 1 top-1 {accuracy[0]:.0%}, "
+                                                   "{positions_per_second:.0f} positions/s")
     table = Table("head", "guesses token", "top-1", "top-5")
     for row in evaluation:
         table.add_row(str(row["head"]), f"+{row['offset']}", f"{row['top1']:.1%}", f"{row['top5']:.1%}")
     Console().print(table)
-    write_json_atomically(Path(out) / "evaluation.json", {
-        "held_out_windows": run.held_out, "config": asdict(config), "training_seconds": training["seconds"],
-        "resumed_at": training["resumed_at"], "heads": evaluation})
-    console.print(f"{config.heads} Medusa heads → {out} (trained {config.steps - training['resumed_at']} steps in "
-                  f"{training['seconds']:.0f}s); use: --method medusa -o heads={out} (or --method blockwise)")
+    save_evaluation(run, config, training, {"heads": evaluation})
+    console.print(f"{config.heads} Medusa heads → {run.out} (trained {config.steps - training['resumed_at']} steps "
+                  f"in {training['seconds']:.0f}s); use: --method medusa -o heads={run.out} (or --method blockwise)")
 
 
 medusa_command = command(medusa, Flags(MedusaRun), Flags(MedusaConfig))

@@ -13,9 +13,8 @@ from rich.console import Console
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import REQUIRED, Flags, command, flag
-from accelgen.cli.train.common import (draft_flag, model_flag, out_flag, progress_bar, target_and_trainable_draft,
-                                       threads_flag)
-from accelgen.cli.train.distillspec import TARGET_HELP
+from accelgen.cli.train.common import (TARGET_HELP, draft_flag, model_flag, out_flag, progress_bar,
+                                       target_and_trainable_draft, threads_flag)
 
 
 @dataclass
