@@ -32,8 +32,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("methods", {"drafters", "exits"}),
     # the generation loop and the transformers drop-in over it
     ("loop", {"generate", "hf"}),
-    # what is built on generation: trainers, the benchmark, the server, export, tuning, advice
-    ("tools", {"train", "bench", "server", "export", "tune", "advice"}),
+    # what is built on generation: trainers, the benchmark, the server, export, tuning, advice, Skeleton-of-Thought
+    ("tools", {"train", "bench", "server", "export", "tune", "advice", "skeleton"}),
     # the interfaces: the command line and the package's public names (accelgen/__init__.py, imported as
     # `import accelgen`, which loads the loop and the models)
     ("interface", {"cli", "__init__", "__main__"}),

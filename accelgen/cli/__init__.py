@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from accelgen.cli import (advise, bench, calibrate, datastore, export, generate, loadtest, methods, models, profile,
-                          serve, train, tune)
+from accelgen.cli import (advise, bench, bench_sot, calibrate, datastore, export, generate, loadtest, methods, models,
+                          profile, serve, sot, train, tune)
 from accelgen.cli.common import console
 
 # The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
@@ -76,6 +76,8 @@ app.command()(models.models)
 app.command()(advise.advise)
 app.command()(bench.bench)
 app.command("bench-report")(bench.bench_report)
+app.command()(sot.sot)
+app.command("bench-sot")(bench_sot.bench_sot)
 app.add_typer(datastore.datastore_app, name="datastore")
 app.add_typer(train.train_app, name="train")
 app.command()(serve.serve)
