@@ -18,7 +18,6 @@ import torch
 from accelgen import cache as kv
 from accelgen.generate import GenerationResult, Sequence, run_together, start_sequences
 from accelgen.hf import generation_settings
-from accelgen.models.runner import ModelRunner
 
 
 def expand_points(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
@@ -53,10 +52,10 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
 
 
 def can_share_prefix(sequences: list[Sequence]) -> bool:
-    """Whether every sequence's target is a fresh plain runner whose cache a copied prefix can start
-    (a runner of its own kind, early exit's or llama.cpp's, keeps state a copied cache would not match)."""
-    return all(type(sequence.target) is ModelRunner and sequence.target.batches and sequence.target.length == 0
-               for sequence in sequences)
+    """Whether every sequence's target is a fresh runner that declares it shares batched forwards (`batches`): a
+    plain one, whose cache a copied prefix can start (runners of their own kind, early exit's, a layer plan's or
+    llama.cpp's, declare they do not, and keep state a copied cache would not match)."""
+    return all(sequence.target.batches and sequence.target.length == 0 for sequence in sequences)
 
 
 @torch.inference_mode()
