@@ -15,6 +15,20 @@ Three layouts, each read from the loader's own code (the versions named are thos
     checkpoint has none.
   - vLLM drafts an EAGLE-1 head from the whole vocabulary. A head with a draft vocabulary is refused unless
     `whole_vocab` says to drop it.
+- **EAGLE-3 head → vLLM** (`export_vllm_eagle3`, chosen by `export_vllm` for a head of the `eagle3` recipe;
+  `Eagle3LlamaForCausalLM` in vllm/model_executor/models/llama_eagle3.py, read at vLLM commit
+  00bd1493b3e82d6c13c68ee8a0e1c5a96707e190, with the aux-layer choice of vllm/v1/worker/gpu/spec_decode/eagle/
+  eagle3_utils.py, get_eagle3_aux_layers_from_config). The layout of the EAGLE-3 checkpoints vLLM runs
+  (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B):
+  - `model.safetensors`: the head's tensors under their own names, which are the checkpoints': `fc.weight`
+    (d × 3d), `midlayer.*` (vLLM renames it `layers.0.`: q/k/v_proj over 2d, o_proj, the MLP, `input_layernorm`,
+    `hidden_norm`, `post_attention_layernorm`), `norm.weight`, `lm_head.weight` (draft vocabulary × d), `d2t`
+    (draft id → target id offsets, int64) and `t2d` (bool over the target's vocabulary; vLLM skips it). No
+    `embed_tokens`: vLLM then shares the target's.
+  - `config.json`: the one-layer Llama config with `draft_vocab_size`, `target_hidden_size`,
+    `eagle_aux_hidden_state_layer_ids` (the residual-stream indices the head was trained on: vLLM's own default
+    is (2, L // 2, L - 3)) and `eagle_config.use_aux_hidden_state`. architectures ["LlamaForCausalLM"]: vLLM's
+    EAGLEConfig turns it into Eagle3LlamaForCausalLM for the speculative method "eagle3".
 - **EAGLE head → SGLang** (`export_sglang_eagle`; SGLang 0.5.23, `LlamaForCausalLMEagle` in
   python/sglang/srt/models/llama_eagle.py). The same tensors and config, with three differences:
   - architectures is ["LlamaForCausalLMEagle"]: SGLang does not rename a draft's plain LlamaForCausalLM;
@@ -152,6 +166,7 @@ def export_vllm_eagle(head_folder, out, force: bool = False, whole_vocab: bool =
     {"method": "eagle", "model": out}; returns the files written. A head with a draft vocabulary is refused unless
     whole_vocab: vLLM drafts an EAGLE-1 head from the whole vocabulary."""
     require_kind(head_folder, "eagle", "vLLM's EAGLE export")
+    require_recipe(head_folder, "eagle1", "vLLM's EAGLE-1 layout", "export_vllm_eagle3 (`accelgen export vllm`)")
     head = eagle.EagleHead.load(head_folder).float()
     if len(head.vocab) and not whole_vocab:
         raise ValueError(
@@ -167,12 +182,44 @@ def export_sglang_eagle(head_folder, out, force: bool = False) -> list[Path]:
     """The EAGLE head in head_folder as config.json + model.safetensors (+ token_map.pt for a draft vocabulary) in
     out, for SGLang's `--speculative-algorithm EAGLE --speculative-draft-model-path out`; returns the files written."""
     require_kind(head_folder, "eagle", "SGLang's EAGLE export")
+    require_recipe(head_folder, "eagle1", "SGLang's EAGLE-1 layout", "`accelgen export vllm` (vLLM's eagle3 layout)")
     head = eagle.EagleHead.load(head_folder).float()
     weights = eagle_weights(head)
     weights["fc.bias"] = torch.zeros(head.config.hidden_size)  # SGLang's fc has a bias; the head's fc has none
     token_map = head.vocab.tolist() if len(head.vocab) else None  # a list: what load_token_map turns into ids
     out = prepare_out(out, force)
     return write_export(out, in_export_dtype(weights), eagle_config(head, "LlamaForCausalLMEagle"), token_map)
+
+
+def require_recipe(head_folder, recipe: str, layout: str, instead: str) -> None:
+    """A clear error unless the EAGLE head in head_folder is of this recipe; instead: what exports the other."""
+    found = eagle.saved_recipe(head_folder)
+    if found != recipe:
+        raise ValueError(f"the head in {head_folder} is of the {found} recipe, which {layout} does not hold; export it "
+                         f"with {instead}")
+
+
+def eagle3_config(head) -> dict:
+    """The EAGLE-3 head's config as vLLM's Eagle3LlamaForCausalLM reads it."""
+    config = eagle_config(head, "LlamaForCausalLM")
+    layers = list(head.target_layers)
+    config.update(draft_vocab_size=len(head.d2t), target_hidden_size=head.config.hidden_size,
+                  eagle_aux_hidden_state_layer_ids=layers,
+                  eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers})
+    return config
+
+
+def export_vllm_eagle3(head_folder, out, force: bool = False) -> list[Path]:
+    """The EAGLE-3 head in head_folder as config.json + model.safetensors in out, for vLLM's speculative config
+    {"method": "eagle3", "model": out}; returns the files written."""
+    require_kind(head_folder, "eagle", "vLLM's EAGLE-3 export")
+    require_recipe(head_folder, "eagle3", "vLLM's eagle3 layout", "`accelgen export vllm` (EAGLE-1 layout)")
+    head = eagle.EagleHead.load(head_folder).float()
+    state = head.state_dict()
+    weights = in_export_dtype({name: tensor for name, tensor in state.items() if tensor.is_floating_point()})
+    weights.update({name: tensor for name, tensor in state.items() if not tensor.is_floating_point()})  # d2t, t2d
+    out = prepare_out(out, force)
+    return write_export(out, weights, eagle3_config(head))
 
 
 # --- Medusa ---------------------------------------------------------------------------------------------------
@@ -211,6 +258,8 @@ def export_vllm(head_folder, out, model=None, force: bool = False, whole_vocab: 
     """The head in head_folder for vLLM, EAGLE or Medusa as its metadata says; model: the target, which Medusa
     heads need (vLLM's Medusa keeps its own copy of the LM head)."""
     if head_kind(head_folder) == "eagle":
+        if eagle.saved_recipe(head_folder) == "eagle3":  # its own draft vocabulary: vLLM loads it (d2t)
+            return export_vllm_eagle3(head_folder, out, force=force)
         return export_vllm_eagle(head_folder, out, force=force, whole_vocab=whole_vocab)
     if model is None:
         raise ValueError("Medusa heads export with a copy of the target's LM head: give the target model (--model)")
@@ -222,6 +271,8 @@ def vllm_speculative_config(out) -> dict:
     config = json.loads((Path(out) / CONFIG).read_text())
     if config["model_type"] == "medusa":  # one drafted token per head
         return {"method": "medusa", "model": str(out), "num_speculative_tokens": config["num_heads"]}
+    if "eagle_aux_hidden_state_layer_ids" in config:
+        return {"method": "eagle3", "model": str(out), "num_speculative_tokens": 5}
     return {"method": "eagle", "model": str(out), "num_speculative_tokens": 5}
 
 

@@ -219,7 +219,7 @@ def run_together(sequences: list["Sequence"]) -> list[GenerationResult]:
             if failed is not None:
                 raise failed
             logits = batched_forward([sequence.target for sequence in active],
-                                     [(step.input_ids, step.tree, step.logits_for_last) for step in steps])
+                                     [step.forward_args for step in steps])
             for sequence, step, rows in zip(active, steps, logits):
                 sequence.commit(step, rows)
     finally:
@@ -248,7 +248,7 @@ def _steps(sequence: "Sequence"):
     """The loop for one sequence. Yields a Chunk per step; returns the GenerationResult."""
     while not sequence.done:
         step = sequence.plan()
-        target_logits = sequence.target.forward(step.input_ids, step.tree, step.logits_for_last)
+        target_logits = sequence.target.forward(*step.forward_args)
         yield sequence.commit(step, target_logits)
     return sequence.finish()
 
@@ -260,8 +260,16 @@ class Step:
     input_ids: torch.Tensor  # (m,) long
     draft: Draft
     tree: torch.Tensor | None  # (m, m) bool attention pattern when the draft is a tree, None for a chain
-    logits_for_last: int  # rows of logits needed: the root and every draft node
+    logits_for_last: int  # rows of logits needed: the root and every draft node (and the appended embeddings)
     prefill_only: bool = False  # a chunk of a long prompt, before the root: nothing to verify or commit
+    # (a, d) embeddings fed after the draft (`Drafter.drafts_in_verify`: BiTA, SPACE), tree then (m + a, m + a)
+    appended: torch.Tensor | None = None
+
+    @property
+    def forward_args(self) -> tuple:
+        """ModelRunner.forward's arguments for this step (the appended embeddings only where there are some)."""
+        plain = (self.input_ids, self.tree, self.logits_for_last)
+        return plain if self.appended is None else (*plain, self.appended)
 
 
 class Sequence:
@@ -358,7 +366,8 @@ class Sequence:
         build = BuildContext(model, target, draft_model, tokenizer, sampling, generator)
         drafter = spec.drafter.make(build, drafting)
         # (a drafter that drafts with the target pays a target forward whatever its length: no budget applies)
-        if draft_budget == "measured" and drafter.draft_budget is None and not drafter.drafts_with_target:
+        if draft_budget == "measured" and drafter.draft_budget is None and not drafter.drafts_with_target \
+                and not drafter.drafts_in_verify:
             drafter = budgeted(drafter, model, draft_model if spec.needs_draft_model else None)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(text, str) for text in stop):
@@ -409,7 +418,13 @@ class Sequence:
         self.stats.draft_seconds += time.perf_counter() - started
         uncached = self.context[self.target.length :]  # the drafting forward (PaSS) may have cached the prompt
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
-        return Step(torch.cat([uncached, draft.tokens]), draft, tree, logits_for_last=len(draft) + 1)
+        input_ids = torch.cat([uncached, draft.tokens])
+        # BiTA / SPACE: mask embeddings after the draft's nodes, read for the next draft (none when no step follows)
+        if room > 0 and self.drafter.drafts_in_verify \
+                and len(self.context) + len(draft) + self.drafter.mask_depth < self.target.max_positions:
+            appended, tree = self.drafter.mask_inputs(draft, prefix=len(uncached))
+            return Step(input_ids, draft, tree, len(draft) + 1 + len(appended), appended=appended)
+        return Step(input_ids, draft, tree, logits_for_last=len(draft) + 1)
 
     def commit(self, step: Step, target_logits: torch.Tensor) -> Chunk:
         """Verify the step's draft against target_logits (logits_for_last, vocab): row 0 at the root, row i+1
@@ -417,6 +432,8 @@ class Sequence:
         if step.prefill_only:
             return Chunk([], "")
         draft = step.draft
+        mask_rows = target_logits[len(draft) + 1 :]  # (a, vocab): the appended embeddings' rows, if any
+        target_logits = target_logits[: len(draft) + 1]
         scores = self.processed(draft, target_logits)
         if self.per_position:
             verdict = verify_gumbel(draft, scores, self.sampling, first_position=len(self.context))
@@ -424,6 +441,8 @@ class Sequence:
             verdict = self.verify(draft, scores, self.generator)
         keep_accepted(self.target, len(self.context) - 1, verdict)
         self.drafter.update(draft, verdict, target_logits)  # the model's own logits: drafters learn the model
+        if self.drafter.drafts_in_verify:
+            self.drafter.read_masks(draft, verdict, mask_rows)
         self.stats.record(draft, len(verdict.accepted))
         committed = []
         for token in verdict.new_tokens(draft):

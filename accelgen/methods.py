@@ -43,6 +43,8 @@ FAMILIES: dict[str, dict[str, str]] = {
         "medusa-typical": "accelgen.drafters.medusa",
         "eagle": "accelgen.drafters.eagle",
         "pass": "accelgen.drafters.pass_embeddings",
+        "bita": "accelgen.drafters.bita",  # mask tokens in the verifying forward, like space
+        "space": "accelgen.drafters.space",
         # no model drafts: n-grams of the context, reference documents, a corpus, a shared trie
         "pld": "accelgen.drafters.prompt_lookup",
         "llma": "accelgen.drafters.llma",
@@ -61,8 +63,10 @@ FAMILIES: dict[str, dict[str, str]] = {
         "consistent-ee": "accelgen.exits.consistent_ee",
         "free": "accelgen.exits.free",
         "hash-ee": "accelgen.exits.hash_ee",
+        "mpee": "accelgen.exits.mpee",
         "skipdecode": "accelgen.exits.skipdecode",
         "ppd": "accelgen.exits.ppd",
+        "speed": "accelgen.exits.speed",
     },
 }
 

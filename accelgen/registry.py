@@ -74,7 +74,9 @@ class MethodSpec:
     # accelgen/exits/); None: the plain ModelRunner
     runner: Part | None = None
     # the drafter reads the target's final hidden states (Medusa, EAGLE): the loop has the target's runner keep
-    # them (ModelRunner.keep_hidden), and the drafter reads them from `BuildContext.target`
+    # them (ModelRunner.keep_hidden), and the drafter reads them from `BuildContext.target`. A drafter that reads
+    # the residual stream of chosen layers instead (EAGLE-3's head says which) sets them on that runner as it is
+    # built (ModelRunner.keep_layers), and clears keep_hidden if it needs no final states
     reads_target_hidden: bool = False
 
     def __post_init__(self):

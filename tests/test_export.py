@@ -445,3 +445,145 @@ def test_export_sglang_prints_the_launch_arguments_and_refuses_a_full_folder(tar
     assert CliRunner().invoke(app, [*command, "--force"]).exit_code == 0
     missing = CliRunner().invoke(app, ["export", "vllm", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
     assert missing.exit_code == 2 and "nothing does not exist" in said(missing), said(missing)
+
+
+# --- vLLM EAGLE-3 ---------------------------------------------------------------------------------------------
+# Transcribed from vLLM's vllm/model_executor/models/llama_eagle3.py at commit
+# 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (Eagle3LlamaForCausalLM, its LlamaModel and LlamaDecoderLayer).
+
+
+def eagle3_parameters(config: dict) -> dict:
+    """{parameter: shape} of vLLM's Eagle3LlamaForCausalLM: LlamaModel.__init__ has embed_tokens, one
+    LlamaDecoderLayer (layer_idx 0: qkv_proj over 2 × hidden_size, input_layernorm, hidden_norm,
+    post_attention_layernorm, the MLP), fc = ReplicatedLinear(target_hidden_size × 3, hidden_size, bias=False) (with
+    eagle_config.use_aux_hidden_state) and norm; Eagle3LlamaForCausalLM adds lm_head (draft_vocab_size rows) and
+    draft_id_to_target_id (draft_vocab_size, long)."""
+    d, heads, kv, head_dim, mlp = (config[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                            "head_dim", "intermediate_size"))
+    drafted, target_width, layer = config["draft_vocab_size"], config.get("target_hidden_size", d), "model.layers.0"
+    return {"model.embed_tokens.weight": (config["vocab_size"], d),
+            f"{layer}.self_attn.qkv_proj.weight": ((heads + 2 * kv) * head_dim, 2 * d),
+            f"{layer}.self_attn.o_proj.weight": (d, heads * head_dim),
+            f"{layer}.mlp.gate_up_proj.weight": (2 * mlp, d), f"{layer}.mlp.down_proj.weight": (d, mlp),
+            f"{layer}.input_layernorm.weight": (d,), f"{layer}.hidden_norm.weight": (d,),
+            f"{layer}.post_attention_layernorm.weight": (d,),
+            "model.fc.weight": (d, 3 * target_width), "model.norm.weight": (d,),
+            "lm_head.weight": (drafted, d), "draft_id_to_target_id": (drafted,)}
+
+
+# Eagle3LlamaForCausalLM.load_weights: without embed_tokens in the checkpoint, "embed_tokens" is a skipped substring
+# (the draft shares the target's embedding).
+VLLM_EAGLE3_SHARED = {"model.embed_tokens.weight"}
+
+
+def eagle3_loaded(weights: dict) -> dict:
+    """{parameter: shape} that Eagle3LlamaForCausalLM.load_weights fills from weights: names with "t2d" are skipped;
+    "d2t" becomes draft_id_to_target_id; "model." is prefixed to names without "lm_head"; then LlamaModel.load_weights
+    renames "midlayer." to "layers.0." and stacks the fused projections."""
+    rows: dict[str, list[tuple]] = {}
+    for name, tensor in weights.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+        elif "lm_head" not in name:
+            name = "model." + name
+        name = name.replace("midlayer.", "layers.0.")
+        for part, fused in FUSED.items():
+            if part in name:
+                name = name.replace(part, fused)
+                break
+        rows.setdefault(name, []).append(tuple(tensor.shape))
+    return {name: (sum(shape[0] for shape in shapes), *shapes[0][1:]) for name, shapes in rows.items()}
+
+
+def vllm_eagle3_logits(weights: dict, config: dict, embeds: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """(n, vocab_size) the draft logits vLLM computes from the exported tensors, for token embeddings (n, d) and the
+    target's aux hidden states (n, 3d), causally from position 0: combine_hidden_states (fc); the layer
+    (LlamaDecoderLayer.forward, layer_idx 0, norm after residual: residual = hidden, then cat of
+    input_layernorm(embeds) and hidden_norm(hidden) into attention; post_attention_layernorm adds the residual; MLP);
+    LlamaModel.forward's final norm over hidden + residual; compute_logits: lm_head, scattered to base + d2t, -inf
+    elsewhere."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    tensor = {name.replace("midlayer.", "layers.0."): value.float() for name, value in weights.items()}
+    eps, layer = config["rms_norm_eps"], "layers.0"
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    heads, kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    hidden = aux @ tensor["fc.weight"].T
+    residual = hidden
+    joined = torch.cat([rms(embeds, tensor[f"{layer}.input_layernorm.weight"]),
+                        rms(hidden, tensor[f"{layer}.hidden_norm.weight"])], -1)
+    n = len(joined)
+    q = (joined @ tensor[f"{layer}.self_attn.q_proj.weight"].T).view(n, heads, head_dim).transpose(0, 1)
+    k = (joined @ tensor[f"{layer}.self_attn.k_proj.weight"].T).view(n, kv, head_dim).transpose(0, 1)
+    v = (joined @ tensor[f"{layer}.self_attn.v_proj.weight"].T).view(n, kv, head_dim).transpose(0, 1)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{**config, "architectures": None}))
+    cos, sin = rotary(joined[None], torch.arange(n)[None])
+    q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+    k, v = (x.repeat_interleave(heads // kv, dim=1) for x in (k, v[None]))
+    attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0]
+    hidden = attended.transpose(0, 1).reshape(n, -1) @ tensor[f"{layer}.self_attn.o_proj.weight"].T + residual
+    residual = hidden
+    x = rms(hidden, tensor[f"{layer}.post_attention_layernorm.weight"])
+    x = (torch.nn.functional.silu(x @ tensor[f"{layer}.mlp.gate_proj.weight"].T) * (x @ tensor[f"{layer}.mlp.up_proj.weight"].T)
+         ) @ tensor[f"{layer}.mlp.down_proj.weight"].T
+    logits = rms(x + residual, tensor["norm.weight"]) @ tensor["lm_head.weight"].T
+    full = torch.full((n, config["vocab_size"]), float("-inf"))
+    full[:, torch.arange(config["draft_vocab_size"]) + weights["d2t"]] = logits
+    return full
+
+
+def eagle3_head(target, folder, draft_vocab: int):
+    """An EAGLE-3 head for target with random weights and a random draft vocabulary, saved in folder."""
+    from accelgen.heads.eagle3 import new_eagle3_head
+
+    head = new_eagle3_head(target, draft_vocabulary(target.config.vocab_size, draft_vocab, seed=16))
+    d2t, t2d = head.d2t.clone(), head.t2d.clone()
+    head = exact_in_bf16(randomized(head, seed=17))
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    head.save(folder)
+    return head
+
+
+def test_vllm_eagle3_export_fills_every_parameter_vllm_loads_and_computes_the_head(target, tmp_path):
+    head = eagle3_head(target, tmp_path / "head", draft_vocab=700)
+    written = export.export_vllm(tmp_path / "head", tmp_path / "vllm")
+    assert sorted(path.name for path in written) == ["config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    weights = load_file(tmp_path / "vllm" / "model.safetensors")
+    # what vLLM reads from the config: the draft vocabulary, the target's width, the aux layers
+    # (eagle3_utils.get_eagle3_aux_layers_from_config) and use_aux_hidden_state (LlamaModel.__init__)
+    assert config["draft_vocab_size"] == 700 and config["target_hidden_size"] == target.config.hidden_size
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(head.target_layers) == [1, 1, 1]
+    assert config["eagle_config"]["use_aux_hidden_state"] and config["num_hidden_layers"] == 1
+    assert config["architectures"] == ["LlamaForCausalLM"]  # EAGLEConfig makes it Eagle3LlamaForCausalLM
+    expected = eagle3_parameters(config)
+    assert eagle3_loaded(weights) == {name: shape for name, shape in expected.items() if name not in VLLM_EAGLE3_SHARED}
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert export.vllm_speculative_config(tmp_path / "vllm")["method"] == "eagle3"
+    generator = torch.Generator().manual_seed(18)
+    tokens = torch.randint(0, target.config.vocab_size, (10,), generator=generator)
+    aux = torch.randn(10, 3 * target.config.hidden_size, generator=generator)
+    with torch.no_grad():
+        embeds = target.get_input_embeddings()(tokens)
+        ours = head.vocab_logits(head(embeds[None], head.fuse(aux[None]), *whole_windows(10))[0])
+        theirs = vllm_eagle3_logits(weights, config, embeds, aux)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    drafted = ~torch.isinf(ours)
+    assert torch.allclose(ours[drafted], theirs[drafted], atol=1e-3) and torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_each_eagle_layout_refuses_the_other_recipe(target, tmp_path):
+    eagle3_head(target, tmp_path / "three", draft_vocab=300)
+    with pytest.raises(ValueError, match="eagle3 recipe, which vLLM's EAGLE-1 layout does not hold"):
+        export.export_vllm_eagle(tmp_path / "three", tmp_path / "a")
+    with pytest.raises(ValueError, match="eagle3 recipe, which SGLang's EAGLE-1 layout does not hold"):
+        export.export_sglang_eagle(tmp_path / "three", tmp_path / "b")
+    eagle_head(target, tmp_path / "one")
+    with pytest.raises(ValueError, match="eagle1 recipe, which vLLM's eagle3 layout does not hold"):
+        export.export_vllm_eagle3(tmp_path / "one", tmp_path / "c")

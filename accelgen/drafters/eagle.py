@@ -17,6 +17,11 @@ The tree is grown by the shared tree drafter (drafters/draft_tree.py), with the 
   to its `max_nodes` most probable nodes.
 - **Static**: given by `paths`, as Medusa's choices.
 
+An EAGLE-3 head (heads/eagle3.py, `accelgen train eagle --recipe eagle3`) drafts the same way, with three
+differences: the runner keeps the residual stream entering three of the target's layers rather than its final
+features (`ModelRunner.keep_layers`, set here as the drafter is built), the head fuses them (fc) before its
+layer, and it reads its own outputs through its own LM head over its draft vocabulary (d2t).
+
 The head drafts from its draft vocabulary (see train/eagle.py): only those rows of the LM head are computed.
 Greedy verification keeps exactly the target's greedy tokens. Sampling draws each node's children i.i.d.
 from the head's distribution and verifies with SpecInfer's multi-step rule, so the output follows the
@@ -40,13 +45,27 @@ from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
-class EagleScorer:
-    """Draft logits from an EAGLE head over the target's features (the scorer of DraftTreeDrafter)."""
+def reads_layers(target: ModelRunner, head) -> None:
+    """Have the target's runner keep what the head reads: its final features (EAGLE-1, as the loop set), or the
+    residual stream entering the EAGLE-3 head's three layers in their place."""
+    if head.target_layers is None:
+        return
+    if not hasattr(target, "keep_layers"):
+        raise ValueError(f"an EAGLE-3 head reads the target's layers {list(head.target_layers)}, which only a "
+                         f"PyTorch model's runner keeps; load the target in a PyTorch format, not with llama.cpp")
+    target.keep_layers = head.target_layers
+    target.keep_hidden = False  # the final features are not read
 
-    def __init__(self, target: ModelRunner, head: EagleHead):
+
+class EagleScorer:
+    """Draft logits from an EAGLE head (either recipe) over the target's features (the scorer of DraftTreeDrafter)."""
+
+    def __init__(self, target: ModelRunner, head):
         target_model = target.model
         self.embed = target_model.get_input_embeddings()
-        self.lm_head = DraftLMHead(target_model.get_output_embeddings(), head.vocab)
+        # EAGLE-1 reads its predicted features through the target's LM head, EAGLE-3 through its own
+        self.lm_head = (DraftLMHead(target_model.get_output_embeddings(), head.vocab) if head.target_layers is None
+                        else head.vocab_logits)
         self.head = head
         self.max_positions = getattr(target_model.config, "max_position_embeddings", None) or 1 << 30
         self.cache = kv.new_cache(head.config)
@@ -58,7 +77,8 @@ class EagleScorer:
     @torch.inference_mode()
     def root_logits(self, context: list[int]) -> torch.Tensor | None:
         """(vocab,) the head's logits for the first draft token; None before the target has any features."""
-        features = self.target.hidden  # (cached, d): every committed position but the root
+        # (cached, d) final features, or (cached, 3d) three layers' states: every committed position but the root
+        features = self.target.hidden if self.head.target_layers is None else self.target.layer_hidden
         if features is None or len(features) == 0:
             return None
         if self.fed > len(features):  # the target's cache was cut back (a reset): start the head over
@@ -67,7 +87,7 @@ class EagleScorer:
         if self.fed < len(features):
             new = len(features) - self.fed
             tokens = torch.tensor(context[self.fed + 1 : len(features) + 1])  # x_{j+1} for the new pairs
-            output = self._forward(tokens, features[self.fed :], causal(new))
+            output = self._forward(tokens, self.head.fuse(features[self.fed :]), causal(new))
             self.fed = len(features)
             self.root_feature = output[-1]
         self.predicted = {}
@@ -91,6 +111,7 @@ class EagleScorer:
         pattern (m, m) bool allows (causal, or a tree: position = cached + depth - 1)."""
         block = Block(self.fed, pattern)
         positions = block.positions[None].to(self.head.fc.weight.device)
+        features = features.to(self.head.fc.weight.dtype)
         mask = block.walk_mask(features.dtype, features.device)
         embeds = self.embed(tokens.to(features.device))[None]
         return self.head(embeds, features[None], positions, mask, self.cache)[0]
@@ -109,7 +130,9 @@ def _make_eagle(build: BuildContext, options: EagleOptions) -> DraftTreeDrafter:
     if not options.heads:
         raise ValueError("eagle needs a trained EAGLE head: heads=FOLDER "
                          "(from `accelgen train eagle --model M --out FOLDER`)")
-    scorer = EagleScorer(build.target, EagleHead.load(options.heads, build.target_model))
+    head = EagleHead.load(options.heads, build.target_model)  # either recipe, checked to fit the target
+    reads_layers(build.target, head)
+    scorer = EagleScorer(build.target, head)
     if options.paths:
         return DraftTreeDrafter(scorer, build.sampling, build.generator, paths=options.paths)
     return DraftTreeDrafter(scorer, build.sampling, build.generator, width=options.width, depth=options.depth,
@@ -121,9 +144,10 @@ register(
         name="eagle",
         family="speculative",
         lossless="distribution-exact",
-        paper="Li et al. 2024, arXiv:2401.15077 (EAGLE); arXiv:2406.16858 (EAGLE-2)",
-        summary="a one-layer head autoregresses on the target's own features and drafts through its LM head; "
-                "EAGLE-2's dynamic tree (width x depth, best max_nodes kept) verified in one forward",
+        paper="Li et al. 2024, arXiv:2401.15077 (EAGLE); arXiv:2406.16858 (EAGLE-2); arXiv:2503.01840 (EAGLE-3)",
+        summary="a one-layer head autoregresses on the target's own features (EAGLE-1) or on three of its layers "
+                "fused (EAGLE-3, its own draft-vocabulary LM head); EAGLE-2's dynamic tree (width x depth, best "
+                "max_nodes kept) verified in one forward",
         drafter=Part(_make_eagle, EagleOptions),
         needs=("heads",),
         reads_target_hidden=True,

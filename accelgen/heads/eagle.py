@@ -14,9 +14,15 @@ As in EAGLE, and in the layout vLLM loads (`accelgen export vllm`):
 - the target's embedding and LM head are shared and frozen.
 
 The layer is the target's shape: its width, heads, MLP size and rotary settings.
+
+This is the `eagle1` recipe. The `eagle3` recipe's head (heads/eagle3.py) is saved in the same files with
+`"recipe": "eagle3"` in its JSON; `EagleHead.load` returns whichever head a folder holds.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -44,7 +50,25 @@ def head_config(target_config):
     return config
 
 
+RECIPES = ("eagle1", "eagle3")
+
+
+def saved_recipe(folder) -> str:
+    """The recipe of the head saved in folder ("eagle1" when its JSON names none, as before EAGLE-3)."""
+    path = Path(folder).expanduser() / f"{NAME}.json"
+    try:
+        recipe = json.loads(path.read_text()).get("recipe", "eagle1")
+    except (OSError, ValueError, AttributeError):
+        return "eagle1"  # missing or unreadable: load_heads names the problem
+    if recipe not in RECIPES:
+        raise ValueError(f"{path} names the recipe {recipe!r}; accelgen knows {', '.join(RECIPES)}")
+    return recipe
+
+
 class EagleHead(torch.nn.Module):
+    recipe = "eagle1"
+    target_layers = None  # it reads the target's final features, not chosen layers' (EAGLE-3)
+
     def __init__(self, config: dict, base_model: str = "", layer_count: int = 0, draft_vocab: int = 0):
         """config: the head's LlamaConfig as a dict (`head_config(target.config).to_dict()`); draft_vocab: the
         size of the vocabulary it drafts from (0: the whole vocabulary)."""
@@ -78,6 +102,10 @@ class EagleHead(torch.nn.Module):
         return self.layer(hidden, attention_mask=mask, position_ids=positions, **{cache_keyword(self.layer): cache},
                           use_cache=cache is not None, position_embeddings=self.rotary(hidden, positions))
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's input from the target's features (.., d): they are its input as they are."""
+        return features
+
     def describe_shape(self) -> dict:
         return {"hidden_size": self.config.hidden_size, "layer_count": self.layer_count,
                 "vocab_size": self.config.vocab_size, "intermediate_size": self.config.intermediate_size}
@@ -87,8 +115,15 @@ class EagleHead(torch.nn.Module):
                                         "layer_count": self.layer_count, "draft_vocab": len(self.vocab)})
 
     @classmethod
-    def load(cls, folder, model=None) -> "EagleHead":
-        head = load_heads(cls, folder, NAME, "accelgen train eagle", model)
+    def load(cls, folder, model=None):
+        """The head saved in folder, of either recipe (an Eagle3Head for "eagle3"); with a model, checked to fit it
+        and cast to its dtype."""
+        head_class = cls
+        if saved_recipe(folder) == "eagle3":
+            from accelgen.heads.eagle3 import Eagle3Head
+
+            head_class = Eagle3Head
+        head = load_heads(head_class, folder, NAME, "accelgen train eagle", model)
         return head if model is None else head.to(model.dtype)
 
 

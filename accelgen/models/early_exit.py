@@ -51,6 +51,10 @@ class ExitRule(Protocol):
         previous (d,) the one before; logits() computes the exit head's (vocab,) float32 logits there, at most once."""
         ...
 
+    # Optional (MPEE's horizontal perspective, exits/mpee.py): context_mask(layer, state, cache, walk) -> a
+    # (1, 1, 1, n + 1) additive mask over the layer's n cached positions and the token itself, or None for all of
+    # them; asked before each layer a lone decoding token goes through, state (1, 1, d) being that layer's input.
+
 
 PROPAGATIONS = ("copy", "recompute", "synchronized")
 
@@ -142,7 +146,7 @@ class EarlyExitRunner(ModelRunner):
         token = int(token_ids[0])
         hidden = self.decoder.embed(token_ids, torch.tensor([[position]], device=self.device))  # (1, 1, d)
         waiting = 0 if pending is None else pending.hidden.shape[1]
-        alone = self._walk([position], hidden)
+        alone = self._walk([position], hidden, narrow=getattr(self.rule, "context_mask", None))
         together = None if pending is None else self._walk(list(range(position - waiting, position + 1)), hidden)
         pending_hidden = None if pending is None else pending.hidden
         exit_logits: dict[int, torch.Tensor] = {}  # layer -> exit logits, computed at most once per layer
@@ -191,14 +195,18 @@ class EarlyExitRunner(ModelRunner):
         position_ids = torch.tensor([positions], device=self.device)
         return {"cache": self.cache, **self.decoder.walk_inputs(hidden, position_ids)}
 
-    def _walk(self, positions: list[int], hidden: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """layer index, hidden (1, k, d) -> that layer's output for k consecutive new positions."""
+    def _walk(self, positions: list[int], hidden: torch.Tensor,
+              narrow: Callable | None = None) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """layer index, hidden (1, k, d) -> that layer's output for k consecutive new positions. narrow: the rule's
+        context_mask, for a lone token (k = 1) whose upper layers may see part of the context only (MPEE)."""
         walk = self._walk_inputs(positions, hidden)
 
         def through(index: int, state: torch.Tensor) -> torch.Tensor:
             layer = self.decoder.layers[index]
             # this layer's cache may hold fewer positions than others (lower layers skipped, upper ones pending)
             mask = Block.chain(kv.layer_length(self.cache, index), len(positions)).walk_mask(self.dtype, self.device)
+            if narrow is not None and len(positions) == 1:
+                mask = narrow(index, state, self.cache, walk)
             return self.decoder.layer(layer, state, mask=mask, **walk)
 
         return through

@@ -19,6 +19,7 @@ import torch
 
 from accelgen.atomic import write_atomically  # also imported from here by models/probe.py
 from accelgen.models.embedded import EMBEDDED_MODELS, remove_assembled
+from accelgen.models.shared_cycle import tie_if_declared
 
 DTYPES = {
     "float32": torch.float32,
@@ -205,6 +206,7 @@ def load_model(
         # quantized formats quantize the checkpoint's own values; the dtype is then the compute dtype
         folder, dtype="auto" if quantized else torch_dtype or "auto", attn_implementation=attn_implementation
     )
+    model = tie_if_declared(model)  # a shared-cycle model (SPEED): its repeated layers share weights again
     if quantized:
         quantize_cached(model, weights, local_folder(str(folder)), compute_dtype)
     model.to(device).eval()

@@ -60,6 +60,11 @@ class ModelRunner:
         # position, (cached, d), rolled back with the cache
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
+        # set by a drafter that reads the residual stream entering chosen layers (EAGLE-3 reads three): index i is
+        # what enters layer i, 0 the embeddings (HF's hidden_states[i]); `layer_hidden` then holds them side by
+        # side for every cached position, (cached, len(keep_layers) * d), rolled back with the cache
+        self.keep_layers: tuple[int, ...] = ()
+        self.layer_hidden: torch.Tensor | None = None
         self.plan = plan
         self.decoder = None if plan is None else Decoder(model, plan.purpose)
 
@@ -73,7 +78,12 @@ class ModelRunner:
     def batches(self) -> bool:
         """Whether this runner's forwards may share a padded batched forward with other runners' (models/batch.py):
         through the model's own forward (no plan), with no hidden states to keep, and masks a batch expresses."""
-        return self.plan is None and not self.keep_hidden and self.shares_batched_forward
+        return self.plan is None and not self.keeps_states and self.shares_batched_forward
+
+    @property
+    def keeps_states(self) -> bool:
+        """Whether forwards keep hidden states for a drafter: the final ones, or chosen layers' (keep_layers)."""
+        return self.keep_hidden or bool(self.keep_layers)
 
     @property
     def shares_batched_forward(self) -> bool:
@@ -87,6 +97,7 @@ class ModelRunner:
         self.cache = kv.new_cache(self.config)
         self.position_offset = 0
         self.hidden = None
+        self.layer_hidden = None
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0,
@@ -99,11 +110,16 @@ class ModelRunner:
         its first t columns saying which of those each new token sees (the rest of the cache is always seen).
         logits_for_last: compute logits for the last k tokens only, returning (k, vocab); 0 = all tokens.
         (A prompt needs no logits but its last token's: skipping the rest saves a vocab-sized matmul per token.)
-        appended: (a, d) input embeddings fed after the tokens as a causal chain, with logits rows of their own
-        (PaSS's look-ahead embeddings); chains only.
+        appended: (a, d) input embeddings fed after the tokens, with logits rows of their own: a causal chain
+        (PaSS's look-ahead embeddings), or with a tree (m + a, m + a) covering tokens and embeddings alike (BiTA's
+        and SPACE's mask groups, drafters/mask_drafting.py).
         """
         if appended is not None and tree is not None:
-            raise ValueError("appended embeddings follow a chain, not a tree")
+            if tree.shape[0] != token_ids.shape[0] + appended.shape[0]:
+                raise ValueError("appended embeddings follow a chain, not a tree over the tokens alone: a tree with "
+                                 "appended embeddings covers both, (m + a, m + a)")
+            if self.alibi is not None:
+                raise ValueError("appended embeddings in a tree need a model with position ids (not ALiBi)")
         if self.plan is not None:
             return self._walk(token_ids, tree, logits_for_last, appended)
         m = token_ids.shape[0] + (0 if appended is None else appended.shape[0])
@@ -111,6 +127,9 @@ class ModelRunner:
         mask = None  # for a chain, the model builds its own causal mask over cache + new tokens
         if tree is not None:
             if self.alibi is not None:  # the model's forward would bias tree nodes by cache index, not depth
+                if self.keep_layers:
+                    raise ValueError("an ALiBi model's trees are scored outside its forward, which keeps no layers' "
+                                     "hidden states for the drafter that reads them")
                 return self._alibi_tree(token_ids, block, logits_for_last)
             check_tree_positions(self.config)
             mask = self._tree_mask(block)
@@ -121,20 +140,33 @@ class ModelRunner:
         else:
             embedded = self.model.get_input_embeddings()(token_ids.to(self.device))
             inputs["inputs_embeds"] = torch.cat([embedded, appended.to(embedded.dtype)])[None]
-        if not self.keep_hidden:
+        if not self.keeps_states:
             return self.model(**inputs, logits_to_keep=logits_for_last).logits[0].float()
+        if self.keep_layers:
+            inputs["output_hidden_states"] = True
         # the decoder's output, read as it passes (every row, while the LM head sees only the rows asked for)
         decoded = []
         hook = self.model.base_model.register_forward_hook(lambda module, args, output: decoded.append(output[0]))
         try:
-            logits = self.model(**inputs, logits_to_keep=logits_for_last).logits[0].float()
+            output = self.model(**inputs, logits_to_keep=logits_for_last)
         finally:
             hook.remove()
-        if not decoded:  # a causal LM that calls parts of its base model itself (OPT calls model.decoder)
+        if self.keep_hidden and not decoded:  # a causal LM that calls parts of its base model itself (OPT: model.decoder)
             raise ValueError(f"{type(self.model).__name__} does not call its base model in its forward, so its final "
                              f"hidden states cannot be read for the drafter that needs them")
-        self._keep_hidden(decoded[0][0])
-        return logits
+        if self.keep_hidden:
+            self._keep_hidden(decoded[0][0])
+        if self.keep_layers:
+            self._keep_layer_states(output.hidden_states)
+        return output.logits[0].float()
+
+    def _keep_layer_states(self, states: tuple) -> None:
+        """Append the kept layers' inputs (m, k * d) from a forward's hidden_states (embeddings, then each layer's)."""
+        if states is None or max(self.keep_layers) >= len(states):
+            raise ValueError(f"{type(self.model).__name__} returned {0 if states is None else len(states)} hidden "
+                             f"states; the drafter reads those entering layers {list(self.keep_layers)}")
+        kept = torch.cat([states[index][0] for index in self.keep_layers], dim=-1)
+        self.layer_hidden = kept if self.layer_hidden is None else torch.cat([self.layer_hidden, kept])
 
     def _block(self, pattern: torch.Tensor) -> Block:
         return Block(kv.cache_length(self.cache), pattern, self.position_offset)
@@ -142,7 +174,7 @@ class ModelRunner:
     def _walk(self, token_ids: torch.Tensor, tree: torch.Tensor | None, logits_for_last: int,
               appended: torch.Tensor | None) -> torch.Tensor:
         """As forward, walking the layers as the plan says."""
-        if appended is not None or self.keep_hidden:
+        if appended is not None or self.keeps_states:
             raise ValueError(f"{self.plan.purpose} walks the layers itself: it neither takes appended embeddings "
                              f"nor keeps hidden states")
         block = self._block(causal(token_ids.shape[0]) if tree is None else tree)
@@ -196,6 +228,8 @@ class ModelRunner:
             kv.compact(self.cache, keep)
         if self.hidden is not None:
             self.hidden = self.hidden[keep]
+        if self.layer_hidden is not None:
+            self.layer_hidden = self.layer_hidden[keep]
 
 
 def runner_for(model):

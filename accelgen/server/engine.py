@@ -191,7 +191,7 @@ class Engine:
         started = time.perf_counter()
         try:
             logits = batched_forward([request.sequence.target for request, _ in group],
-                                     [(step.input_ids, step.tree, step.logits_for_last) for _, step in group])
+                                     [step.forward_args for _, step in group])
         except Exception as error:
             return [error] * len(group)
         widest = max(len(step.input_ids) for _, step in group)  # every block is padded to the widest

@@ -16,6 +16,16 @@
    verification decides.
 4. **Evaluation.** Held-out windows give the head's top-1 and top-5 accuracy against the target's choice,
    and the share of those choices that lie in the draft vocabulary.
+
+That is the `eagle1` recipe. The `eagle3` recipe (EAGLE-3, arXiv:2503.01840; heads/eagle3.py) differs thus:
+
+- the features are the target's residual stream entering three of its layers (`collect_layer_states`);
+- the draft vocabulary is chosen first: the head's own LM head computes those rows only (d2t / t2d);
+- **training-time test**: the head is unrolled `ttt_steps` times on its own outputs (`unrolled_outputs`), as it
+  drafts. Step k at position t reads the token x_{t+k+1} and the head's step k-1 output there, sits at position
+  t + k, attends to the true pairs up to t and to its own earlier steps at t (the chain a draft at depth k + 1
+  sees), and is taught the target's choice after x_{t+k+1}. The loss is sum_k ttt_decay^k × cross-entropy; there
+  is no feature regression.
 """
 
 from __future__ import annotations
@@ -28,11 +38,14 @@ from typing import Callable
 
 import torch
 
+from accelgen import cache as kv
 from accelgen.atomic import CorruptFileError, load_tensors, save_tensors_atomically
 from accelgen.heads.eagle import EagleHead, new_head
-from accelgen.heads.lm_head import draft_vocabulary
-from accelgen.models.block import Block
+from accelgen.heads.eagle3 import Eagle3Head, default_target_layers, new_eagle3_head
+from accelgen.heads.lm_head import DraftLMHead, draft_vocabulary
+from accelgen.models.block import Block, blocking_mask
 from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
 FEATURES = "features.safetensors"  # the target's features and choices over the training windows
 
@@ -55,6 +68,22 @@ def collect_features(model, windows: torch.Tensor, progress: Callable[[int], Non
         if progress is not None:
             progress(index + 1)
     return torch.stack(features), torch.stack(choices)
+
+
+@torch.no_grad()
+def collect_layer_states(model, windows: torch.Tensor, layers: tuple[int, ...],
+                         progress: Callable[[int], None] | None = None):
+    """(states (count, n, len(layers) * d) in the model's dtype, choices (count, n) long) over windows (count, n):
+    the residual stream entering each of layers (HF's hidden_states[i]) side by side, and the target's greedy
+    next-token choices."""
+    states, choices = [], []
+    for index, window in enumerate(windows):
+        output = model(input_ids=window[None].to(model.device), output_hidden_states=True)
+        states.append(torch.cat([output.hidden_states[layer][0] for layer in layers], dim=-1).cpu())
+        choices.append(output.logits[0].argmax(-1).cpu())
+        if progress is not None:
+            progress(index + 1)
+    return torch.stack(states), torch.stack(choices)
 
 
 def cached_features(model, windows: torch.Tensor, folder: Path, progress: Callable[[int], None] | None = None):
@@ -93,6 +122,11 @@ class EagleConfig:
                                                               "(0: the whole vocabulary)."})
     noise: float = field(default=0.1, metadata={"help": "Half-width of the uniform noise on the input features."})
     checkpoint_every: int = 100
+    recipe: str = field(default="eagle1", metadata={"help": "eagle1 (EAGLE-1: the target's final features, feature "
+                                                            "regression) or eagle3 (EAGLE-3: three layers fused, "
+                                                            "training-time test, its own draft LM head)."})
+    ttt_steps: int = field(default=7, metadata={"help": "eagle3: steps the head is unrolled on its own outputs."})
+    ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: weight of unrolled step k's loss is decay^k."})
 
     def __post_init__(self):
         if min(self.steps, self.batch_size, self.ce_positions, self.checkpoint_every) < 1 or self.learning_rate <= 0:
@@ -100,13 +134,82 @@ class EagleConfig:
                              "must be positive")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+        if self.recipe not in ("eagle1", "eagle3"):
+            raise ValueError(f"recipe must be one of eagle1, eagle3, got {self.recipe!r}")
+        if self.ttt_steps < 1 or not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], got {self.ttt_steps}, {self.ttt_decay}")
+
+
+def target_layers_for(model) -> tuple[int, int, int]:
+    """The three layers an EAGLE-3 head of this target reads."""
+    return default_target_layers(model.config.num_hidden_layers)
+
+
+# --- training-time test: the head unrolled on its own outputs ------------------------------------------------
+
+
+def unrolled_mask(length: int, step: int, dtype=torch.float32) -> torch.Tensor:
+    """(1, 1, length - step, length + sum_{s=1..step} (length - s)) additive mask of unrolled step `step` (0: the
+    teacher-forced pass), its keys cached after those of steps 0..step-1: row t sees step 0's positions <= t and
+    its own position t at each later step (the chain of a draft at depth step + 1)."""
+    rows = torch.arange(length - step)
+    parts = [rows[:, None] >= torch.arange(length)[None]]
+    parts += [rows[:, None] == torch.arange(length - s)[None] for s in range(1, step + 1)]
+    return blocking_mask(torch.cat(parts, dim=1), dtype)[None, None]
+
+
+def unrolled_outputs(head, token_embeds: torch.Tensor, first: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs at each of `steps` unrolled steps (at most the window's length): [(b, L - k, d)] for
+    k < steps, from token_embeds (b, L, d) of x_1..x_L and first (b, L, d), its input at step 0 (the target's
+    features at 0..L-1, fused for EAGLE-3). Step k at position t reads x_{t+k+1} and step k-1's output at t, at
+    position t + k; its output is the head's guess at the feature that chooses x_{t+k+2}."""
+    length = first.shape[1]
+    cache = kv.new_cache(head.config)  # the keys and values of every step so far
+    outputs, hidden = [], first
+    for step in range(min(steps, length)):
+        rows = length - step
+        positions = (torch.arange(rows) + step)[None].to(first.device)
+        mask = unrolled_mask(length, step, hidden.dtype).to(first.device)
+        output = head(token_embeds[:, step : step + rows], hidden[:, :rows], positions, mask, cache)
+        outputs.append(output)
+        hidden = output[:, : rows - 1]
+    return outputs
+
+
+def depth_labels(labels: torch.Tensor, step: int, rows: int) -> torch.Tensor:
+    """(b, rows) what unrolled step `step` is taught from labels (b, n): the target's choice after x_{t+step+1}."""
+    return labels[:, step + 1 : step + 1 + rows]
+
+
+def ttt_loss(head: Eagle3Head, token_embeds: torch.Tensor, states: torch.Tensor, labels: torch.Tensor, steps: int,
+             decay: float) -> tuple[torch.Tensor, list[float]]:
+    """(sum_k decay^k × cross-entropy of step k, top-1 accuracy per step) over windows: token_embeds (b, n-1, d) of
+    x_1..x_{n-1}, states (b, n, 3d) the target's three layers, labels (b, n) its choices as draft ids (-100:
+    outside the draft vocabulary, left out)."""
+    outputs = unrolled_outputs(head, token_embeds, head.fuse(states[:, :-1]), steps)
+    total, accuracy = 0.0, []
+    for step, output in enumerate(outputs):
+        logits = head.draft_logits(output)  # (b, rows, V')
+        goal = depth_labels(labels, step, output.shape[1]).reshape(-1)
+        flat = logits.reshape(-1, logits.shape[-1])
+        counted = max(int((goal != -100).sum()), 1)
+        total = total + decay ** step * torch.nn.functional.cross_entropy(flat, goal, reduction="sum") / counted
+        accuracy.append(float((flat.argmax(-1) == goal).float().sum()) / counted)
+    return total, accuracy
 
 
 def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: EagleConfig,
-                out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None) -> tuple[EagleHead, dict]:
-    """Train a head on windows (count, n), the target's features (count, n, d) and choices (count, n); with
-    out_dir, checkpointed there and resumed from its checkpoint. Returns (head, {"resumed_at", "seconds"})."""
+                out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
+                on_step: Callable[[int, Callable], None] | None = None) -> tuple[EagleHead, dict]:
+    """Train a head on windows (count, n), the target's features (count, n, d; eagle3: its three layers' states,
+    (count, n, 3d)) and choices (count, n); with out_dir, checkpointed there and resumed from its checkpoint.
+    on_step(step, drafting_head) is called after each step; drafting_head() gives the head as it would be saved
+    (learning curves).
+    Returns (head, {"resumed_at", "seconds"})."""
+    if config.recipe == "eagle3":
+        return train_eagle3(model, windows, features, choices, config, out_dir, seed, progress, on_step)
     head = new_head(model)
+    vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab) if config.draft_vocab else None
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
     checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
     start = resume(head, optimizer, checkpoint, run_settings(config), "EAGLE")
@@ -114,6 +217,8 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
     generator = torch.Generator().manual_seed(seed + start)
     length = windows.shape[1] - 1  # input pairs (f_t, x_{t+1}) per window
     positions, mask = whole_windows(length)
+    if on_step is not None and start == 0:  # the untrained head: where the curve starts
+        on_step(0, lambda: with_vocabulary(head, vocab))
     started = time.perf_counter()
     for step in range(start, config.steps):
         rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
@@ -139,15 +244,94 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
                       "regression": float(regression.detach()),
                       "accuracy": float((logits.argmax(-1) == goal).float().mean()), "seconds": seconds,
                       "tokens_per_second": (step + 1 - start) * len(rows) * length / seconds})
-    if config.draft_vocab:
-        head.vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab)
+        if on_step is not None:
+            on_step(step + 1, lambda: with_vocabulary(head, vocab))
+    return with_vocabulary(head, vocab).eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
+
+
+def with_vocabulary(head: EagleHead, vocab: torch.Tensor | None) -> EagleHead:
+    """A copy of the EAGLE-1 head drafting from vocab (None: the head itself, drafting from the whole vocabulary).
+    The vocabulary is set on a copy: the checkpoints hold the head without it."""
+    if vocab is None:
+        return head
+    import copy
+
+    drafting = copy.deepcopy(head)
+    drafting.vocab = vocab
+    return drafting
+
+
+def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: torch.Tensor, config: EagleConfig,
+                 out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
+                 on_step: Callable[[int, Callable], None] | None = None) -> tuple[Eagle3Head, dict]:
+    """The eagle3 recipe of train_eagle: states (count, n, 3d) are the target's three layers (collect_layer_states
+    at target_layers_for(model)); the loss is ttt_loss."""
+    width = 3 * model.config.hidden_size
+    if states.shape[-1] != width:
+        raise ValueError(f"EAGLE-3 trains on three layers' states side by side ({width} wide), got {states.shape[-1]}: "
+                         f"collect them with collect_layer_states")
+    vocab = draft_vocabulary(windows, choices, model.config.vocab_size,
+                             config.draft_vocab or model.config.vocab_size)
+    head = new_eagle3_head(model, vocab, target_layers_for(model))
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.learning_rate)
+    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
+    start = resume(head, optimizer, checkpoint, run_settings(config), "EAGLE-3")
+    embed = model.get_input_embeddings()
+    labels = head.label_index(choices)  # (count, n) draft ids, -100 outside the draft vocabulary
+    generator = torch.Generator().manual_seed(seed + start)
+    length = windows.shape[1] - 1
+    if on_step is not None and start == 0:  # the untrained head: where the curve starts
+        on_step(0, lambda: head)
+    started = time.perf_counter()
+    for step in range(start, config.steps):
+        rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
+        with torch.no_grad():
+            token_embeds = embed(windows[rows, 1:].to(model.device)).float()
+        loss, accuracy = ttt_loss(head, token_embeds, states[rows].float(), labels[rows], config.ttt_steps,
+                                  config.ttt_decay)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+            save_checkpoint(checkpoint, step + 1, run_settings(config), head, optimizer)
+        if progress is not None:
+            seconds = time.perf_counter() - started
+            progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()), "regression": 0.0,
+                      "accuracy": accuracy[0], "accuracy_per_step": accuracy, "seconds": seconds,
+                      "tokens_per_second": (step + 1 - start) * len(rows) * length / seconds})
+        if on_step is not None:
+            on_step(step + 1, lambda: head)
     return head.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
 
 
 @torch.no_grad()
-def evaluate_eagle(model, head: EagleHead, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor,
+def depth_accuracy(model, head, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor,
+                   depths: int) -> list[float]:
+    """Per draft depth 1..depths, on windows (count, n) with the target's features (count, n, d or 3d) and choices:
+    how often the head's top-1, unrolled on its own outputs as when it drafts, is the target's choice."""
+    was_training = head.training
+    head.eval()
+    readout = (DraftLMHead(model.get_output_embeddings(), head.vocab) if head.target_layers is None
+               else head.vocab_logits)  # EAGLE-1 reads through the target's LM head, EAGLE-3 through its own
+    hits, seen = torch.zeros(depths), torch.zeros(depths)
+    for window, feature, choice in zip(windows, features, choices):
+        token_embeds = model.get_input_embeddings()(window[None, 1:].to(model.device)).float()
+        first = head.fuse(feature[None, :-1].float().to(model.device)).float()
+        for step, output in enumerate(unrolled_outputs(head.float(), token_embeds, first, depths)):
+            goal = depth_labels(choice[None], step, output.shape[1]).to(model.device)
+            hits[step] += float((readout(output).argmax(-1) == goal).sum())
+            seen[step] += goal.numel()
+    head.train(was_training)
+    return [float(hit / max(count, 1)) for hit, count in zip(hits, seen)]
+
+
+@torch.no_grad()
+def evaluate_eagle(model, head, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor,
                    top_k: int = 5) -> dict:
     """On windows not trained on: how often the head's top-1, and its top-k, hold the target's own next choice."""
+    if head.target_layers is not None:
+        return evaluate_eagle3(head, windows, features, choices, model, top_k)
     head = head.float()
     length = windows.shape[1] - 1
     positions, mask = whole_windows(length)
@@ -164,4 +348,28 @@ def evaluate_eagle(model, head: EagleHead, windows: torch.Tensor, features: torc
         covered += float(drafted[choice[1:]].float().sum())
     positions_seen = len(windows) * length
     return {"top1": top1 / positions_seen, f"top{top_k}": topk / positions_seen, "positions": positions_seen,
-            "draft_vocab": len(head.vocab), "choices_in_draft_vocab": covered / positions_seen}
+            "draft_vocab": len(head.vocab), "choices_in_draft_vocab": covered / positions_seen, "recipe": "eagle1",
+            "top1_per_depth": depth_accuracy(model, head, windows, features, choices, 7)}
+
+
+@torch.no_grad()
+def evaluate_eagle3(head: Eagle3Head, windows: torch.Tensor, states: torch.Tensor, choices: torch.Tensor, model,
+                    top_k: int = 5) -> dict:
+    """evaluate_eagle for an EAGLE-3 head over the target's three layers' states (count, n, 3d); also its top-1
+    per draft depth, unrolled on its own outputs (depths: the head's unrolled steps, at most 7)."""
+    head = head.float().eval()
+    length = windows.shape[1] - 1
+    positions, mask = whole_windows(length)
+    top1 = topk = covered = 0.0
+    for window, state, choice in zip(windows, states, choices):
+        output = head(model.get_input_embeddings()(window[None, 1:]).float(), head.fuse(state[None, :-1].float()),
+                      positions, mask)[0]
+        logits = head.vocab_logits(output)  # (n-1, vocab)
+        goal = choice[1:, None]
+        top1 += float((logits.argmax(-1, keepdim=True) == goal).float().sum())
+        topk += float((logits.topk(top_k, dim=-1).indices == goal).any(-1).float().sum())
+        covered += float(head.t2d[choice[1:]].float().sum())
+    positions_seen = len(windows) * length
+    return {"top1": top1 / positions_seen, f"top{top_k}": topk / positions_seen, "positions": positions_seen,
+            "draft_vocab": len(head.d2t), "choices_in_draft_vocab": covered / positions_seen, "recipe": "eagle3",
+            "top1_per_depth": depth_accuracy(model, head, windows, states, choices, 7)}

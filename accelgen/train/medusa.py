@@ -64,9 +64,11 @@ class MedusaConfig:
 
 
 def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: MedusaConfig,
-                 out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None) -> tuple[MedusaHeads, dict]:
+                 out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
+                 on_step: Callable[[int, Callable], None] | None = None) -> tuple[MedusaHeads, dict]:
     """Train the heads' residual blocks on the target's features (count, n, d) and choices (count, n) over
-    windows (count, n); with out_dir, checkpointed there and resumed. Returns (heads, {"resumed_at", "seconds"})."""
+    windows (count, n); with out_dir, checkpointed there and resumed. on_step(step, drafting_heads) is called after
+    each step, drafting_heads() giving the heads (learning curves). Returns (heads, {"resumed_at", "seconds"})."""
     medusa = MedusaHeads(config.heads, model.config.hidden_size, model.config.vocab_size,
                          str(getattr(model, "name_or_path", "")), model.config.num_hidden_layers, config.draft_vocab)
     if config.draft_vocab:
@@ -79,6 +81,8 @@ def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: 
     checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
     start = resume(medusa, optimizer, checkpoint, settings, "Medusa")
     generator = torch.Generator().manual_seed(seed + start)
+    if on_step is not None and start == 0:  # the untrained head: where the curve starts
+        on_step(0, lambda: medusa)
     started = time.perf_counter()
     for step in range(start, config.steps):
         rows = torch.randint(0, len(positions), (min(config.batch_size, len(positions)),), generator=generator)
@@ -96,6 +100,8 @@ def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: 
             progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
                       "accuracy": [float(a) for a in accuracy], "seconds": seconds,
                       "positions_per_second": (step + 1 - start) * len(rows) / seconds})
+        if on_step is not None:
+            on_step(step + 1, lambda: medusa)
     return medusa.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
 
 

@@ -121,3 +121,112 @@ def test_bad_input_is_named(tiny_target, tokenizer, make_tiny_model, head_folder
         accelgen.generate(other, tokenizer, [5, 17, 23], method="eagle", heads=head_folder)
     with pytest.raises(ValueError, match="dynamic tree needs width, depth and max_nodes >= 1"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle", heads=head_folder, width=0)
+
+
+# --- EAGLE-3 heads -------------------------------------------------------------------------------------------
+
+from accelgen.heads.eagle3 import new_eagle3_head
+from accelgen.train.eagle import collect_layer_states, target_layers_for
+
+
+def trained_eagle3_head(model, windows, folder, steps=30):
+    """An EAGLE-3 head trained for a few steps (unrolled over 3) on windows (count, n), saved in folder."""
+    states, choices = collect_layer_states(model, windows, target_layers_for(model))
+    head, _ = train_eagle(model, windows, states, choices, EagleConfig(steps=steps, batch_size=8, learning_rate=1e-2,
+                                                                       draft_vocab=4096, recipe="eagle3", ttt_steps=3))
+    head.save(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def four_layers(make_tiny_model):
+    return make_tiny_model("qwen2", seed=0, layers=4)
+
+
+@pytest.fixture(scope="module")
+def eagle3_folder(four_layers, tokenizer, tmp_path_factory):
+    """Trained on the 4-layer tiny model's greedy continuations of variants of PROMPT."""
+    texts = [tokenizer.decode(PROMPT + accelgen.generate(four_layers, tokenizer, [start] + PROMPT[1:],
+                                                         max_new_tokens=50).token_ids) for start in range(5, 21)]
+    windows = packed_windows(tokenizer, texts, seq_len=56, count=16)
+    return trained_eagle3_head(four_layers, windows, tmp_path_factory.mktemp("eagle3"))
+
+
+@pytest.mark.parametrize("options", [{}, {"width": 2, "depth": 3, "max_nodes": 6},
+                                     {"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}])
+def test_a_trained_eagle3_head_is_lossless_with_partial_acceptance(four_layers, tokenizer, eagle3_folder,
+                                                                   assert_lossless, options):
+    result = assert_lossless(four_layers, tokenizer, PROMPT, "eagle", 40, heads=eagle3_folder, **options)
+    assert 0 < result.stats["accepted_draft_tokens"] < result.stats["draft_tokens"]
+    assert result.stats["mean_accepted_tokens"] > 1.5
+
+
+def test_an_untrained_eagle3_head_is_lossless(four_layers, tokenizer, assert_lossless, tmp_path):
+    new_eagle3_head(four_layers, torch.arange(0, 49152, 3)).save(tmp_path)
+    assert_lossless(four_layers, tokenizer, PROMPT, "eagle", 16, heads=str(tmp_path), width=3, depth=2, max_nodes=5)
+
+
+def test_an_eagle3_head_accepts_whole_drafts_on_a_cycle(cycling_model, tokenizer, cycle_prompt, greedy,
+                                                        assert_lossless, tmp_path):
+    text = cycle_prompt + greedy(cycling_model, tokenizer, cycle_prompt, 60).token_ids
+    folder = trained_eagle3_head(cycling_model, torch.tensor([text[start : start + 40] for start in range(0, 40, 3)]),
+                                 tmp_path, steps=40)
+    result = assert_lossless(cycling_model, tokenizer, cycle_prompt, "eagle", 30, heads=folder, width=2, depth=4,
+                             max_nodes=8)
+    assert max(result.stats["accepted_per_step"]) == 4  # a whole path down the tree
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_eagle3_with_max_new_tokens_smaller_than_the_tree(four_layers, tokenizer, eagle3_folder, assert_lossless,
+                                                          budget):
+    assert_lossless(four_layers, tokenizer, PROMPT, "eagle", budget, heads=eagle3_folder)
+
+
+def test_eagle3_stops_at_eos_inside_a_draft(four_layers, tokenizer, eagle3_folder):
+    """An EOS the target chooses inside an accepted draft ends the output there, as in greedy decoding."""
+    plain = accelgen.generate(four_layers, tokenizer, PROMPT, max_new_tokens=40)
+    eos = plain.token_ids[9]  # a token of the output taken as EOS: generation stops at its first occurrence
+    expected = accelgen.generate(four_layers, tokenizer, PROMPT, max_new_tokens=40, eos_token_id=eos)
+    result = accelgen.generate(four_layers, tokenizer, PROMPT, method="eagle", max_new_tokens=40, eos_token_id=eos,
+                               heads=eagle3_folder)
+    assert result.token_ids == expected.token_ids and result.finish_reason == expected.finish_reason == "stop"
+
+
+def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path):
+    new_eagle3_head(sampling_model).save(tmp_path)  # untrained: the logit lens at the model's last layer input
+    assert_samples_target("eagle", [1, 4, 6], heads=str(tmp_path), width=2, depth=2, max_nodes=4)
+
+
+def test_the_runner_keeps_the_layers_the_head_reads_and_rolls_them_back(four_layers):
+    """The runner's kept layer states equal a plain forward's hidden states at those layers, through a tree
+    forward and the keep() of an accepted path."""
+    runner = ModelRunner(four_layers)
+    runner.keep_layers = (1, 2, 3)
+    assert not runner.batches  # a forward that keeps states runs alone
+    context = torch.tensor(PROMPT + [300, 301])
+    runner.forward(context[:6])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root 300, two children
+    runner.forward(torch.tensor([300, 301, 999]), tree=tree)
+    runner.keep(6, [0, 1])  # the root and its first child
+    with torch.no_grad():
+        states = four_layers(context[None], output_hidden_states=True).hidden_states
+    expected = torch.cat([states[index][0] for index in (1, 2, 3)], dim=-1)
+    assert runner.layer_hidden.shape == (8, 3 * 64) and torch.allclose(runner.layer_hidden, expected, atol=1e-4)
+    assert runner.hidden is None  # the final states are not kept unless asked for
+
+
+def test_an_eagle3_head_reads_layers_not_final_features(four_layers, tokenizer, eagle3_folder):
+    """Built by the loop, its drafter has the runner keep the three layers instead of the final features."""
+    sequence = accelgen.generate(four_layers, tokenizer, PROMPT, method="eagle", max_new_tokens=5,
+                                 heads=eagle3_folder)
+    assert sequence.stats["target_forwards"] >= 1
+    from accelgen.generate import Sequence
+
+    started = Sequence.start(four_layers, tokenizer, PROMPT, method="eagle", heads=eagle3_folder)
+    assert started.target.keep_layers == (1, 2, 3) and not started.target.keep_hidden
+
+
+def test_an_eagle3_head_for_another_model_is_refused(make_tiny_model, tokenizer, eagle3_folder):
+    other = make_tiny_model("qwen2", seed=0, layers=2)
+    with pytest.raises(ValueError, match="eagle head .* do not fit this model: layer count 4, the model's is 2"):
+        accelgen.generate(other, tokenizer, PROMPT, method="eagle", heads=eagle3_folder)

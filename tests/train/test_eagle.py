@@ -86,7 +86,106 @@ def test_the_command_trains_a_head_that_generate_uses(command_inputs, tokenizer,
     assert run.exit_code == 0, run.output
     evaluation = json.loads((out / "evaluation.json").read_text())
     assert evaluation["draft_vocab"] == 512 and 0 <= evaluation["top1"] <= evaluation["top5"] <= 1
-    assert (out / eagle.FEATURES).exists() and (out / eagle.CHECKPOINT).exists()
+    assert (out / "features" / "last-hidden").is_dir() and (out / eagle.CHECKPOINT).exists()  # the feature store
+    runs = [CliRunner().invoke(app, ["generate", "def add(a, b):", "--model", str(folder), "-n", "10", "--json",
+                                     *extra]) for extra in ([], ["--method", "eagle", "--head", str(out)])]
+    assert all(result.exit_code == 0 for result in runs), runs[1].output
+    plain, drafted = (json.loads(result.stdout.strip().splitlines()[-1]) for result in runs)
+    assert drafted["token_ids"] == plain["token_ids"]
+
+
+# --- the EAGLE-3 recipe ----------------------------------------------------------------------------------------
+
+from accelgen.heads.eagle3 import new_eagle3_head
+from accelgen.models.block import Block
+from accelgen.train.curves import CURVE_JSON
+from accelgen.train.eagle import collect_layer_states, target_layers_for, ttt_loss
+
+
+@pytest.fixture(scope="module")
+def four_layers(make_tiny_model):
+    return make_tiny_model("qwen2", seed=0, layers=4)
+
+
+def test_the_unrolled_loss_matches_a_hand_computed_two_step_loss(four_layers):
+    """Training-time test over two steps equals, term by term, what the head computes when it drafts: step 0 is
+    the head over the true pairs; step 1 at position t is a plain causal run over the true pairs 0..t followed by
+    (x_{t+2}, the head's own step-0 output at t) at position t + 1, taught the target's choice after x_{t+2}."""
+    model = four_layers
+    windows = torch.randint(0, 49152, (2, 9), generator=torch.Generator().manual_seed(1))
+    layers = target_layers_for(model)
+    states, choices = collect_layer_states(model, windows, layers)
+    vocab = torch.cat([torch.unique(choices[:, ::2]), torch.tensor([0])]).unique()  # some choices left out
+    head = new_eagle3_head(model, vocab, layers)
+    with torch.no_grad():  # away from the identity start, so that every part of the layer counts
+        for parameter in head.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    labels = head.label_index(choices)
+    embeds = model.get_input_embeddings()(windows[:, 1:]).float()
+    loss, _ = ttt_loss(head, embeds, states.float(), labels, steps=2, decay=0.8)
+
+    length = windows.shape[1] - 1
+    fused = head.fuse(states[:, :-1].float())
+    terms: dict[int, list] = {0: [], 1: []}
+    with torch.no_grad():
+        for row in range(len(windows)):
+            chain = Block.chain(0, length)
+            step0 = head(embeds[row : row + 1], fused[row : row + 1], chain.positions[None],
+                         chain.mask(torch.float32, "cpu"))[0]
+            for t in range(length):
+                terms[0].append((head.draft_logits(step0[t]), labels[row, t + 1]))
+                if t + 2 <= length:
+                    pairs = Block.chain(0, t + 2)
+                    output = head(embeds[row : row + 1, : t + 2], torch.cat([fused[row, : t + 1], step0[t : t + 1]])[None],
+                                  pairs.positions[None], pairs.mask(torch.float32, "cpu"))[0, -1]
+                    terms[1].append((head.draft_logits(output), labels[row, t + 2]))
+
+    def mean_cross_entropy(pairs):
+        kept = [(logits, goal) for logits, goal in pairs if goal != -100]
+        assert 0 < len(kept) < len(pairs)  # some labels count, some lie outside the draft vocabulary
+        return torch.stack([torch.nn.functional.cross_entropy(logits[None], goal[None]) for logits, goal in kept]).mean()
+
+    expected = mean_cross_entropy(terms[0]) + 0.8 * mean_cross_entropy(terms[1])
+    assert torch.allclose(loss.detach(), expected, atol=1e-5), (float(loss), float(expected))
+
+
+def test_eagle3_training_learns_the_targets_choices_at_every_unrolled_depth(four_layers, tokenizer):
+    model = four_layers
+    prompt = [5, 17, 923, 4410, 77, 12]
+    texts = [tokenizer.decode(prompt + accelgen.generate(model, tokenizer, [start] + prompt[1:],
+                                                         max_new_tokens=40).token_ids) for start in range(5, 17)]
+    windows = packed_windows(tokenizer, texts, seq_len=32, count=12)
+    states, choices = collect_layer_states(model, windows, target_layers_for(model))
+    config = EagleConfig(steps=30, batch_size=8, learning_rate=1e-2, draft_vocab=2048, recipe="eagle3", ttt_steps=3)
+    rows = []
+    head, _ = train_eagle(model, windows, states, choices, config, progress=rows.append)
+    evaluation = evaluate_eagle(model, head, windows, states, choices)
+    assert rows[-1]["loss"] < rows[0]["loss"] / 3
+    assert min(evaluation["top1_per_depth"][:3]) > 0.5 and evaluation["recipe"] == "eagle3", evaluation
+    assert evaluation["draft_vocab"] == 2048 and evaluation["choices_in_draft_vocab"] == 1.0
+
+
+def test_recipe_settings_are_checked():
+    with pytest.raises(ValueError, match="recipe must be one of eagle1, eagle3"):
+        EagleConfig(recipe="eagle2")
+    with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
+        EagleConfig(recipe="eagle3", ttt_steps=0)
+
+
+def test_the_command_trains_an_eagle3_head_with_a_learning_curve(command_inputs, tmp_path):
+    folder, dataset = command_inputs(seed=0, layers=4)
+    out = tmp_path / "eagle3"
+    run = CliRunner().invoke(app, ["train", "eagle", "--recipe", "eagle3", "--ttt-steps", "2", "--model", str(folder),
+                                   "--dataset", dataset, "--out", str(out), "--windows", "8", "--held-out", "2",
+                                   "--seq-len", "16", "--steps", "4", "--draft-vocab", "512", "--eval-every", "2"])
+    assert run.exit_code == 0, run.output
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    assert evaluation["recipe"] == "eagle3" and evaluation["draft_vocab"] == 512
+    curve = json.loads((out / CURVE_JSON).read_text())
+    assert [point["step"] for point in curve["points"]] == [0, 2, 4]
+    assert [point["tokens"] for point in curve["points"]] == [0, 2 * 4 * 15, 4 * 4 * 15]  # batch 4, 15 positions
+    assert all(len(point["top1_per_depth"]) == 5 and point["tau"] >= 1 for point in curve["points"])
+    assert (out / "curve.png").exists() and (out / "features" / "layer-states").is_dir()  # three layers' states
     runs = [CliRunner().invoke(app, ["generate", "def add(a, b):", "--model", str(folder), "-n", "10", "--json",
                                      *extra]) for extra in ([], ["--method", "eagle", "--head", str(out)])]
     assert all(result.exit_code == 0 for result in runs), runs[1].output

@@ -12,7 +12,7 @@ from accelgen.cli import app
 from accelgen.heads.lm_head import draft_vocabulary
 from accelgen.heads.medusa import MedusaHeads
 from accelgen.train import medusa as medusa_training
-from accelgen.train.eagle import FEATURES, collect_features
+from accelgen.train.eagle import collect_features
 from accelgen.train.layerskip import packed_windows
 from accelgen.train.medusa import MedusaConfig, evaluate_medusa, head_targets, train_medusa
 
@@ -108,7 +108,29 @@ def test_the_command_trains_evaluates_saves_and_shares_a_feature_cache(command_i
     assert result.exit_code == 0, result.output
     evaluation = json.loads((tmp_path / "heads" / "evaluation.json").read_text())
     assert [row["head"] for row in evaluation["heads"]] == [1, 2, 3] and evaluation["config"]["draft_vocab"] == 300
-    assert len(MedusaHeads.load(tmp_path / "heads")) == 3 and (tmp_path / "heads" / FEATURES).exists()
+    assert len(MedusaHeads.load(tmp_path / "heads")) == 3 and (tmp_path / "heads" / "features" / "last-hidden").is_dir()
     shared = CliRunner().invoke(app, [*arguments, "--out", str(tmp_path / "more"), "--features", str(tmp_path / "heads")])
     assert shared.exit_code == 0, shared.output
-    assert not (tmp_path / "more" / FEATURES).exists() and (tmp_path / "more" / "medusa_heads.json").exists()
+    assert not (tmp_path / "more" / "features").exists() and (tmp_path / "more" / "medusa_heads.json").exists()
+
+
+def test_eval_every_records_a_learning_curve_that_resumes(command_inputs, tmp_path):
+    """--eval-every: held-out top-1 per head and measured tau at steps 0, 2, 4, against positions trained on; a
+    resumed run keeps the points before it and adds its own."""
+    from accelgen.train.curves import CURVE_JSON
+
+    folder, dataset = command_inputs(4)
+    arguments = ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--heads", "3", "--windows", "6",
+                 "--held-out", "2", "--seq-len", "12", "--batch-size", "16", "--draft-vocab", "300",
+                 "--eval-every", "2", "--checkpoint-every", "2", "--out", str(tmp_path / "heads")]
+    result = CliRunner().invoke(app, [*arguments, "--steps", "4"])
+    assert result.exit_code == 0, result.output
+    curve = json.loads((tmp_path / "heads" / CURVE_JSON).read_text())
+    assert curve["label"] == "Medusa" and [point["step"] for point in curve["points"]] == [0, 2, 4]
+    assert [point["tokens"] for point in curve["points"]] == [0, 32, 64]  # 16 positions a step
+    assert all(len(point["top1_per_depth"]) == 3 and point["tau"] >= 1 for point in curve["points"])
+    assert (tmp_path / "heads" / "curve.png").exists()
+    resumed = CliRunner().invoke(app, [*arguments, "--steps", "6"])
+    assert resumed.exit_code == 0, resumed.output
+    steps = [point["step"] for point in json.loads((tmp_path / "heads" / CURVE_JSON).read_text())["points"]]
+    assert steps == [0, 2, 4, 6]

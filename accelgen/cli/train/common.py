@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -18,6 +19,11 @@ FROZEN_DTYPE_HELP = "Dtype of the frozen model (default: its embedded one)."
 DATASET_HELP = "sharegpt or jsonl:FILE."
 HELD_OUT_HELP = "Further windows kept out of training, to evaluate on."
 TARGET_HELP = "Target: embedded name, HF id or local folder."  # where a draft model is trained for it
+EXTRACT_FORMATS = ("auto", "fp32", "bf16")
+EXTRACT_FORMAT_HELP = ("Format the frozen target extracts features (and trains) in, where --dtype and --weights are "
+                       "not given: auto (the faster prefill on this machine, as measured, else by its bf16 support; "
+                       "a feature store being resumed keeps its own), fp32 or bf16.")
+FEATURE_STORE = "features"  # the sharded feature stores in the --features folder, one per extractor
 
 
 def model_flag(default: Any = "smollm2-135m", help: str = "Embedded name, HF id or local folder.") -> Any:
@@ -68,6 +74,11 @@ class FeaturesRun(FrozenTargetRun):
     features: Optional[Path] = features_flag("another head's")
     windows: int = flag(256, "Windows of --seq-len tokens whose features are cached.")
     seq_len: int = flag(256)
+    extract_format: str = flag("auto", EXTRACT_FORMAT_HELP)
+
+    def __post_init__(self):
+        if self.extract_format not in EXTRACT_FORMATS:
+            raise ValueError(f"--extract-format {self.extract_format}: choose one of {', '.join(EXTRACT_FORMATS)}")
 
 
 @contextlib.contextmanager
@@ -119,10 +130,13 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     if weights not in (None, "fp32", "bf16", "int8", "int4"):
         raise ValueError(f"--weights {weights}: training needs the PyTorch model; choose fp32, bf16, int8 or int4")
     set_threads(threads)
+    texts = dataset_texts(dataset)  # a dataset that is not there is named before the model loads
+    if dataset.startswith("regenerated:"):
+        note_regenerated_by(dataset.removeprefix("regenerated:"), model)
     with console.status(f"loading {model}{f' ({weights})' if weights else ''} …"):
         target_model, tokenizer = load_model(model, dtype=dtype, weights=weights)
     with console.status("tokenizing …"):
-        data = packed_windows(tokenizer, dataset_texts(dataset), seq_len, windows + held_out)
+        data = packed_windows(tokenizer, texts, seq_len, windows + held_out)
     if len(data) <= held_out:
         raise ValueError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
     return target_model, tokenizer, data
@@ -138,6 +152,7 @@ class FeatureWindows:
     features: Any  # (count, n, d)
     choices: Any  # (count, n) long
     held_out: int
+    tokenizer: Any = None
 
     def training(self) -> tuple:
         return self.windows[self.held_out:], self.features[self.held_out:], self.choices[self.held_out:]
@@ -146,16 +161,75 @@ class FeatureWindows:
         return self.windows[:self.held_out], self.features[:self.held_out], self.choices[:self.held_out]
 
 
-def windows_and_features(run: FeaturesRun) -> FeatureWindows:
-    """The run's target, windows, and the target's features of them, cached in the --features folder."""
-    from accelgen.train.eagle import cached_features
+def note_regenerated_by(folder: str, model: str) -> None:
+    """Say so where the regenerated data was answered by another model than the one trained for."""
+    from accelgen.datasets.regenerated import regenerated_settings
 
-    target_model, _, data = model_and_windows(run.model, run.dtype, run.dataset, run.seq_len, run.windows,
-                                              run.held_out, run.threads, run.weights)
-    with progress_bar(len(data), "target features of windows") as show:
-        cached, choices = cached_features(target_model, data, run.features or run.out,
-                                          progress=lambda done: show({"step": done}, ""))
-    return FeatureWindows(target_model, data, cached, choices, run.held_out)
+    settings = regenerated_settings(folder)
+    if settings is not None and settings["model"] != model:
+        console.print(f"note: the answers in {folder} were made by {settings['model']}, not {model}")
+
+
+def feature_store(run: FeaturesRun, extractor: str) -> Path:
+    """The folder of the run's feature store for one extractor ("last-hidden": EAGLE's and Medusa's)."""
+    return Path(run.features or run.out) / FEATURE_STORE / extractor
+
+
+def extraction_format(run: FeaturesRun, extractor: str) -> tuple[str | None, str]:
+    """(weights to load the target in, or None for --dtype/--weights, why): --extract-format, where auto is the
+    format of a store being resumed, else the faster prefill on this machine (accelgen/train/shards.py)."""
+    from accelgen.train.shards import FeatureStore, prefill_format
+
+    if run.dtype is not None or run.weights is not None:
+        return None, "as --dtype/--weights load it"
+    if run.extract_format != "auto":
+        return run.extract_format, "--extract-format"
+    stored = FeatureStore.saved_identity(feature_store(run, extractor))
+    if stored is not None and stored.get("format") in ("fp32", "bf16"):
+        return stored["format"], "the format of the feature store being resumed"
+    return prefill_format(run.model, run.threads)
+
+
+def target_features(run: FeaturesRun, target_model, data, extractor: str, extract: Callable,
+                    described: dict | None = None) -> dict:
+    """{name: tensor (count, ...)}: extract(window batch (b, n)) -> {name: tensor (b, ...)} over the run's windows
+    data (count, n), kept in the sharded feature store of the --features folder for this extractor (resumed where
+    a run stopped, refused where it belongs to another model, format, dataset, window length or `described`)."""
+    from accelgen.costs import model_format, model_key
+    from accelgen.train.shards import stored_features
+
+    identity = {"extractor": extractor, "model": run.model, "model_shape": model_key(target_model),
+                "format": model_format(target_model), "dataset": run.dataset, "seq_len": run.seq_len,
+                **(described or {})}
+    with progress_bar(len(data), f"target features of windows ({extractor})") as show:
+        return stored_features(feature_store(run, extractor), identity, data, extract,
+                               progress=lambda done: show({"step": done}, ""))
+
+
+def windows_and_features(run: FeaturesRun, layers_for: Callable | None = None) -> FeatureWindows:
+    """The run's target, windows, and the target's features of them with its next-token choices, in the
+    --features folder's sharded feature store, extracted in the faster format where none is asked for.
+
+    The features are the target's last hidden states (EAGLE, Medusa), or with layers_for(target) -> layer indices,
+    the residual stream entering those layers side by side (EAGLE-3)."""
+    from accelgen.train import eagle
+
+    extractor = "last-hidden" if layers_for is None else "layer-states"
+    weights, why = extraction_format(run, extractor)
+    if weights is not None:
+        console.print(f"features extracted in {weights}: {why}")
+    target_model, tokenizer, data = model_and_windows(run.model, run.dtype, run.dataset, run.seq_len, run.windows,
+                                                      run.held_out, run.threads, weights or run.weights)
+    if layers_for is None:
+        layers, described = None, None
+        collect = partial(eagle.collect_features, target_model)
+    else:
+        layers = tuple(int(layer) for layer in layers_for(target_model))
+        described = {"layers": list(layers)}
+        collect = partial(eagle.collect_layer_states, target_model, layers=layers)
+    features = target_features(run, target_model, data, extractor,
+                               lambda windows: dict(zip(("features", "choices"), collect(windows))), described)
+    return FeatureWindows(target_model, data, features["features"], features["choices"], run.held_out, tokenizer)
 
 
 def trained_head(run: FeaturesRun, data: FeatureWindows, config, train: Callable, status: str):

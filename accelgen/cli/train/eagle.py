@@ -1,16 +1,25 @@
 """`accelgen train eagle`: an EAGLE head, one decoder layer over the frozen target's features
-(accelgen/train/eagle.py)."""
+(accelgen/train/eagle.py): the EAGLE-1 recipe, or EAGLE-3's (`--recipe eagle3`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from accelgen.cli.common import console
-from accelgen.cli.flags import Flags, command
-from accelgen.cli.train.common import FeaturesRun, features_flag, out_flag, save_evaluation, train_and_evaluate_head
+from accelgen.cli.common import FILE_ERRORS, console, reported_errors
+from accelgen.cli.flags import Flags, command, flag
+from accelgen.cli.train.common import (FeaturesRun, features_flag, out_flag, save_evaluation, trained_head,
+                                       windows_and_features)
 from accelgen.train.eagle import EagleConfig
+
+CURVE_DEPTHS = 5  # draft depths the learning curve follows (the eagle method's default tree depth)
+
+
+def eval_every_flag():
+    return flag(0, "Every N steps, record the held-out top-1 per draft depth and tau measured by generating, against "
+                   "training tokens, in OUT/curve.json (and curve.png); 0: not.", min=0)
 
 
 @dataclass
@@ -18,20 +27,38 @@ class EagleRun(FeaturesRun):
     out: Path = out_flag("Folder for the head, the feature cache and checkpoints (resumed); then: --method eagle "
                          "--head OUT.")
     features: Optional[Path] = features_flag("a Medusa")
+    eval_every: int = eval_every_flag()
 
 
 def eagle(run: EagleRun, config: EagleConfig) -> None:
-    """EAGLE head: one decoder layer over the frozen target's features; top-1/top-5 held out."""
-    from accelgen.train.eagle import evaluate_eagle, train_eagle
+    """EAGLE head (--recipe eagle1 or eagle3): one decoder layer over the frozen target's features; top-1/top-5 held
+    out."""
+    from accelgen.train.eagle import depth_accuracy, evaluate_eagle, target_layers_for, train_eagle
 
-    training, evaluation = train_and_evaluate_head(run, config, train_eagle, evaluate_eagle,
-                                                   "loss {loss:.3f}, top-1 {accuracy:.0%}, "
-                                                   "{tokens_per_second:.0f} tokens/s")
+    with reported_errors(FILE_ERRORS):
+        # EAGLE-3 reads the residual stream entering three layers, EAGLE-1 the final features
+        data = windows_and_features(run, layers_for=target_layers_for if config.recipe == "eagle3" else None)
+        target_model, tokenizer, windows = data.target_model, data.tokenizer, data.windows
+        train, curve = train_eagle, None
+        if run.eval_every:
+            from accelgen.train.curves import held_out_recorder
+
+            positions = min(config.batch_size, len(windows) - run.held_out) * (windows.shape[1] - 1)  # per step
+            curve = held_out_recorder(run.out, run.eval_every, positions, f"EAGLE ({config.recipe})", target_model,
+                                      tokenizer, data.evaluation()[0], "eagle",
+                                      lambda head: depth_accuracy(target_model, head, *data.evaluation(), CURVE_DEPTHS))
+            train = partial(train_eagle, on_step=curve)
+        head, training = trained_head(run, data, config, train, "loss {loss:.3f}, top-1 {accuracy:.0%}, "
+                                                                "{tokens_per_second:.0f} tokens/s")
+        evaluation = evaluate_eagle(target_model, head, *data.evaluation())
     save_evaluation(run, config, training, evaluation)
-    console.print(f"held out: the head's top-1 is the target's next choice at {evaluation['top1']:.1%} of "
-                  f"positions, top-5 at {evaluation['top5']:.1%}; {evaluation['choices_in_draft_vocab']:.1%} of the "
-                  f"choices are in the draft vocabulary (trained {config.steps - training['resumed_at']} steps in "
-                  f"{training['seconds']:.0f}s)")
+    depths = ", ".join(f"{value:.0%}" for value in evaluation["top1_per_depth"][:CURVE_DEPTHS])
+    console.print(f"held out ({config.recipe}): the head's top-1 is the target's next choice at {evaluation['top1']:.1%} "
+                  f"of positions, top-5 at {evaluation['top5']:.1%}; top-1 at draft depths 1..{CURVE_DEPTHS}: {depths}; "
+                  f"{evaluation['choices_in_draft_vocab']:.1%} of the choices are in the draft vocabulary (trained "
+                  f"{config.steps - training['resumed_at']} steps in {training['seconds']:.0f}s)")
+    if curve is not None:
+        console.print(f"learning curve → {curve.path}; {curve.plot()}")
     console.print(f"EAGLE head → {run.out}; use: --method eagle --head {run.out}")
 
 

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
 
-from accelgen.cli.common import console
+from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command
-from accelgen.cli.train.common import FeaturesRun, features_flag, out_flag, save_evaluation, train_and_evaluate_head
+from accelgen.cli.train.common import (FeaturesRun, features_flag, out_flag, save_evaluation, trained_head,
+                                       windows_and_features)
+from accelgen.cli.train.eagle import eval_every_flag
 from accelgen.train.medusa import MedusaConfig
 
 
@@ -19,6 +22,7 @@ from accelgen.train.medusa import MedusaConfig
 class MedusaRun(FeaturesRun):
     out: Path = out_flag("Folder for the heads and checkpoints (resumed); then: --method medusa -o heads=OUT.")
     features: Optional[Path] = features_flag("an EAGLE")
+    eval_every: int = eval_every_flag()
 
 
 def medusa(run: MedusaRun, config: MedusaConfig) -> None:
@@ -27,17 +31,34 @@ def medusa(run: MedusaRun, config: MedusaConfig) -> None:
 
     from accelgen.train.medusa import evaluate_medusa, train_medusa
 
-    def evaluate(target_model, heads, windows, features, choices):  # (count, n), (count, n, d), (count, n)
-        return evaluate_medusa(target_model, heads, features, choices)  # the heads read the features alone
+    with reported_errors(FILE_ERRORS):
+        data = windows_and_features(run)
+        target_model, tokenizer, windows = data.target_model, data.tokenizer, data.windows
+        _, held_features, held_choices = data.evaluation()
 
-    training, evaluation = train_and_evaluate_head(run, config, train_medusa, evaluate,
-                                                   "loss {loss:.3f}, head 1 top-1 {accuracy[0]:.0%}, "
-                                                   "{positions_per_second:.0f} positions/s")
+        def top1_per_head(heads) -> list[float]:  # the heads read the features alone
+            return [row["top1"] for row in evaluate_medusa(target_model, heads, held_features, held_choices)]
+
+        train, curve = train_medusa, None
+        if run.eval_every:
+            from accelgen.train.curves import TAU_TREE, held_out_recorder
+
+            positions = (len(windows) - run.held_out) * (windows.shape[1] - config.heads)  # what a step draws from
+            curve = held_out_recorder(run.out, run.eval_every, min(config.batch_size, positions), "Medusa",
+                                      target_model, tokenizer,
+                                      data.evaluation()[0], "medusa", top1_per_head,
+                                      {**TAU_TREE, "depth": min(TAU_TREE["depth"], config.heads)})
+            train = partial(train_medusa, on_step=curve)
+        heads, training = trained_head(run, data, config, train, "loss {loss:.3f}, head 1 top-1 {accuracy[0]:.0%}, "
+                                                                 "{positions_per_second:.0f} positions/s")
+        evaluation = evaluate_medusa(target_model, heads, held_features, held_choices)
     table = Table("head", "guesses token", "top-1", "top-5")
     for row in evaluation:
         table.add_row(str(row["head"]), f"+{row['offset']}", f"{row['top1']:.1%}", f"{row['top5']:.1%}")
     Console().print(table)
     save_evaluation(run, config, training, {"heads": evaluation})
+    if curve is not None:
+        console.print(f"learning curve → {curve.path}; {curve.plot()}")
     console.print(f"{config.heads} Medusa heads → {run.out} (trained {config.steps - training['resumed_at']} steps "
                   f"in {training['seconds']:.0f}s); use: --method medusa -o heads={run.out} (or --method blockwise)")
 

@@ -1,0 +1,144 @@
+"""Train a small model whose decoder layers share weights in a cycle, for SPEED (accelgen/exits/speed.py).
+
+The model (models/shared_cycle.py) is a Llama of `cycle` distinct layers run `repeats` times, trained from
+scratch on packed windows of text (next-token cross-entropy, AdamW, linear warm-up then cosine decay). SPEED
+guesses the next token from each token's first repeat, read through the final norm and LM head, so that exit's
+cross-entropy is added with weight `exit_weight`: its guesses agreeing with the last layer are SPEED's hits.
+
+`train_speed_model` shows progress, checkpoints every `checkpoint_every` steps (weights, optimizer state and step
+in one atomic file) and resumes from the last checkpoint exactly: the batches and the schedule depend on the
+step only. `held_out_metrics` gives the held-out loss and perplexity, and how often the first repeat's exit
+agrees with the last layer (the hit rate SPEED can expect when every earlier token is right).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from accelgen.models import shared_cycle
+from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
+from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+
+TRAINER_FILE = "trainer.pt"  # weights, optimizer state and step: what a rerun resumes from
+
+
+@dataclass
+class SpeedModelConfig:
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 1e-3
+    warmup: int = field(default=20, metadata={"help": "Steps of linear learning-rate warm-up."})
+    cycle: int = field(default=4, metadata={"help": "Distinct decoder layers."})
+    repeats: int = field(default=3, metadata={"help": "Times the cycle of layers is run per token."})
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    heads: int = 4
+    exit_weight: float = field(default=0.5, metadata={"help": "Weight of the first repeat's exit loss (SPEED's guesses)."})
+    checkpoint_every: int = 25
+    seed: int = 0
+
+    def __post_init__(self):
+        if min(self.steps, self.batch_size, self.seq_len, self.cycle, self.hidden_size, self.intermediate_size,
+               self.heads, self.checkpoint_every) < 1:
+            raise ValueError("steps, batch size, sequence length, cycle, sizes, heads and checkpoint interval must be "
+                             "positive")
+        if self.repeats < 2:
+            raise ValueError(f"repeats must be >= 2 (SPEED pipelines the repeats), got {self.repeats}")
+        if self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of heads {self.heads}")
+        if self.exit_weight < 0 or self.learning_rate <= 0 or self.warmup < 0:
+            raise ValueError("exit_weight and warmup must be >= 0, learning_rate > 0")
+
+
+def new_model(vocab_size: int, config: SpeedModelConfig):
+    """The untrained shared-cycle model the config describes (float32)."""
+    return shared_cycle.build(vocab_size, cycle=config.cycle, repeats=config.repeats, hidden_size=config.hidden_size,
+                              intermediate_size=config.intermediate_size, heads=config.heads, kv_heads=config.heads,
+                              seed=config.seed)
+
+
+def learning_rate(step: int, config: SpeedModelConfig) -> float:
+    """Linear warm-up to the peak, then cosine decay to a tenth of it at the last step."""
+    if step < config.warmup:
+        return config.learning_rate * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def losses(model, windows: torch.Tensor, cycle: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final loss, first repeat's exit loss) of next-token prediction over windows (b, n)."""
+    decoder = llama_decoder(model, "speed-model training")
+    targets = windows[:, 1:].reshape(-1).to(model.device)
+    exit_hidden = None
+    for index, hidden in enumerate(layer_outputs(model, decoder, windows)):
+        if index == cycle - 1:
+            exit_hidden = hidden
+
+    def cross_entropy(states: torch.Tensor) -> torch.Tensor:  # (b, n, d) -> next-token loss of their exit
+        return F.cross_entropy(exit_logits(model, decoder, states[:, :-1]).reshape(-1, model.config.vocab_size), targets)
+
+    return cross_entropy(hidden), cross_entropy(exit_hidden)
+
+
+@torch.no_grad()
+def held_out_metrics(model, windows: torch.Tensor, batch_size: int = 8) -> dict:
+    """Held-out loss and perplexity of the model, and of its first repeat's exit: how often that exit's top-1 is
+    the next token and agrees with the last layer's top-1."""
+    cycle, _ = shared_cycle.cycle_and_repeats(model, "held-out metrics")
+    decoder = llama_decoder(model, "held-out metrics")
+    was_training = model.training
+    model.eval()
+    loss = exit_loss = agree = exit_correct = correct = 0.0
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size].to(model.device)
+        outputs = list(layer_outputs(model, decoder, batch))
+        final, early = (exit_logits(model, decoder, outputs[i][:, :-1]) for i in (-1, cycle - 1))
+        targets = batch[:, 1:]
+        loss += float(F.cross_entropy(final.flatten(0, 1), targets.flatten(), reduction="sum"))
+        exit_loss += float(F.cross_entropy(early.flatten(0, 1), targets.flatten(), reduction="sum"))
+        correct += float((final.argmax(-1) == targets).sum())
+        exit_correct += float((early.argmax(-1) == targets).sum())
+        agree += float((early.argmax(-1) == final.argmax(-1)).sum())
+    model.train(was_training)
+    positions = windows.shape[0] * (windows.shape[1] - 1)
+    return {"loss": loss / positions, "perplexity": math.exp(loss / positions), "next_token": correct / positions,
+            "exit_loss": exit_loss / positions, "exit_next_token": exit_correct / positions,
+            "exit_agrees_with_last": agree / positions, "positions": positions}
+
+
+def train_speed_model(model, windows: torch.Tensor, config: SpeedModelConfig, out_dir: Path,
+                      progress: Callable[[dict], None] | None = None) -> dict:
+    """Train `model` (new_model's) in place on windows (count, seq_len), resuming from out_dir's checkpoint if there
+    is one (a checkpoint every `checkpoint_every` steps and at the end). Returns steps, resumed_at and seconds."""
+    path = Path(out_dir) / TRAINER_FILE
+    settings = run_settings(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.01)
+    start = resume(model, optimizer, path, settings, "speed-model")
+    model.train()
+    started, tokens = time.perf_counter(), 0
+    for step in range(start, config.steps):
+        first = step * config.batch_size % len(windows)
+        batch = windows[first : first + config.batch_size]
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        final, early = losses(model, batch, config.cycle)
+        (final + config.exit_weight * early).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += batch.numel()
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            save_checkpoint(path, step + 1, settings, model, optimizer)
+        if progress is not None:
+            progress({"step": step + 1, "steps": config.steps, "loss": float(final.detach()),
+                      "exit_loss": float(early.detach()), "tokens_per_second": tokens / (time.perf_counter() - started)})
+    model.eval()
+    return {"steps": config.steps, "resumed_at": start, "seconds": time.perf_counter() - started}
