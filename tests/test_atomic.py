@@ -20,10 +20,11 @@ from accelgen import atomic
 from accelgen.atomic import (CorruptFileError, load_tensors, load_torch, save_pretrained_atomically,
                              write_atomically, write_json_atomically, write_text_atomically)
 from accelgen.drafters.rest import Datastore, RestDrafter, write_datastore
-from accelgen.train.eagle import FEATURES, cached_features, collect_features
+from accelgen.train.eagle import collect_features
 from accelgen.train.layerskip import TRAINER_FILE, LayerSkipConfig, train_layerskip
 from accelgen.heads.medusa import MedusaHeads
 from accelgen.train.medusa import CHECKPOINT, MedusaConfig, train_medusa
+from accelgen.train.shards import shard_name, stored_features
 
 # --- the helper ----------------------------------------------------------------------------------------------
 
@@ -240,12 +241,17 @@ def test_a_datastore_rebuild_killed_at_any_write_is_never_opened_half_built(vict
     assert draft.tokens.tolist() == [9, 9, 9]
 
 
-def test_a_feature_cache_killed_while_saving_is_never_read_damaged(target, tmp_path):
-    cached_features(target, random_windows(3, 8, seed=2), tmp_path)
+def test_a_feature_store_killed_while_saving_a_shard_is_never_read_damaged(target, tmp_path):
     windows = random_windows(4, 8, seed=3)
-    with killed_while_writing(FEATURES):
-        cached_features(target, windows, tmp_path)
+
+    def extract(batch: torch.Tensor) -> dict:
+        features, choices = collect_features(target, batch)
+        return {"features": features, "choices": choices}
+
+    identity = {"extractor": "last-hidden", "model": "tiny"}
+    with killed_while_writing(shard_name(1)):
+        stored_features(tmp_path, identity, windows, extract, shard_windows=2)
     assert_whole(tmp_path)
-    features, choices = cached_features(target, windows, tmp_path)
+    stored = stored_features(tmp_path, identity, windows, extract, shard_windows=2)
     expected_features, expected_choices = collect_features(target, windows)
-    assert torch.equal(features, expected_features) and torch.equal(choices, expected_choices)
+    assert torch.equal(stored["features"], expected_features) and torch.equal(stored["choices"], expected_choices)

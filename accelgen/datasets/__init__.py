@@ -141,6 +141,19 @@ def sharegpt_sampled(conversation_id: str) -> bool:
     return int.from_bytes(digest[:4], "big") % SHAREGPT_SAMPLE_EVERY == 0
 
 
+def unsampled_sharegpt_prompts():
+    """First human turns of ShareGPT conversations that the `sharegpt` benchmark never draws its prompts from, in
+    file order: what trainers learn from."""
+    for conversation in iter_json_array(sharegpt_file(), truncated_ok=True):
+        conversation_id = str(conversation.get("id", ""))
+        turns = conversation.get("conversations") or []
+        if not turns or sharegpt_sampled(conversation_id):
+            continue
+        text = turns[0].get("value")
+        if turns[0].get("from") == "human" and isinstance(text, str) and 0 < len(text.strip()) <= SHAREGPT_MAX_PROMPT_CHARS:
+            yield Prompt(conversation_id, "sharegpt", text, chat=True)
+
+
 def default_specbench_file() -> Path:
     if not SPECBENCH_FILE.is_file():
         raise FileNotFoundError(f"the project's Spec-Bench questions ({SPECBENCH_FILE}) come with a checkout of the "

@@ -54,13 +54,11 @@ class MaskRunner(ModelRunner):
     deltas to the appended positions of a forward only. Its forwards carry appended groups, which a padded batch
     of other sequences' forwards cannot place, so it never shares a batched forward."""
 
+    batches = False
+
     def __init__(self, model, tokens: MaskTokens):
         super().__init__(model)
         self.mask_tokens = tokens
-
-    @property
-    def batches(self) -> bool:
-        return False
 
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0,
                 appended: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,16 +28,15 @@ WIDEST_SHARED_BLOCK = 8
 
 @torch.inference_mode()
 def batched_forward(runners: list[ModelRunner], blocks: list[tuple]) -> list[torch.Tensor]:
-    """Run ModelRunner.forward(token_ids, tree, logits_for_last[, appended]) for every (runner, block) pair in one
-    forward.
+    """Run ModelRunner.forward(*block) for every (runner, block) pair in one forward; a block is (token_ids, tree,
+    logits_for_last), or with embeddings appended after it (BiTA, SPACE), whose runners do not batch.
 
     All runners wrap the same model. Returns each block's logits, (logits_for_last, vocab) float32, and
     leaves every runner's cache extended by its block, exactly as its own forward would.
     """
-    if len(runners) == 1 or not all(runner.batches for runner in runners) or any(len(block) > 3 for block in blocks):
-        # a runner with a forward of its own (early exit), one whose drafter reads its hidden states (Medusa),
-        # one whose masks a padded batch cannot express (a short sliding window, ALiBi), or a block with
-        # embeddings appended after its draft (BiTA, SPACE) cannot share the forward
+    if len(runners) == 1 or not all(runner.batches for runner in runners):
+        # a runner with a forward of its own (early exit), one whose drafter reads its hidden states (Medusa), or
+        # one whose masks a padded batch cannot express (a short sliding window, ALiBi) cannot share the forward
         return [runner.forward(*block) for runner, block in zip(runners, blocks)]
     model = runners[0].model
     lengths = [kv.cache_length(runner.cache) for runner in runners]

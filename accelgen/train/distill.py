@@ -30,6 +30,7 @@ float32 for Qwen's 151,936 tokens, so a step holds batch × max_new_tokens rows 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,22 +251,10 @@ def distillation_prompts(dataset: str, tokenizer, count: int, held_out: int) -> 
 
 
 def sharegpt_training_prompts(count: int) -> list:
-    """First human turns of ShareGPT conversations outside the `sharegpt` benchmark's sample, in file order."""
-    from accelgen.datasets import (SHAREGPT_MAX_PROMPT_CHARS, Prompt, iter_json_array, sharegpt_file,
-                                         sharegpt_sampled)
+    """The first count ShareGPT prompts outside the `sharegpt` benchmark's sample, in file order."""
+    from accelgen.datasets import unsampled_sharegpt_prompts
 
-    prompts = []
-    for conversation in iter_json_array(sharegpt_file(), truncated_ok=True):
-        if len(prompts) >= count:
-            break
-        conversation_id = str(conversation.get("id", ""))
-        turns = conversation.get("conversations") or []
-        if not turns or sharegpt_sampled(conversation_id):
-            continue
-        text = turns[0].get("value")
-        if turns[0].get("from") == "human" and isinstance(text, str) and 0 < len(text.strip()) <= SHAREGPT_MAX_PROMPT_CHARS:
-            prompts.append(Prompt(conversation_id, "sharegpt", text, chat=True))
-    return prompts
+    return list(itertools.islice(unsampled_sharegpt_prompts(), count))
 
 
 # --- saving a distilled draft ---

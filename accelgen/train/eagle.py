@@ -2,8 +2,9 @@
 
 `accelgen train eagle` works in three stages:
 
-1. **Cache.** The frozen target runs once over packed windows of the dataset. Their features and the target's
-   own next-token choices are saved in the out folder (`features.safetensors`), and a rerun reuses them.
+1. **Features.** The frozen target runs once over packed windows of the dataset. Their features and the target's
+   own next-token choices go to the sharded feature store in the out folder (train/shards.py, `features/`),
+   which a stopped extraction resumes and a rerun reuses.
 2. **Training.** The head trains on whole windows, fed the target's true features (teacher forcing) with a
    little uniform noise, as EAGLE does. The loss is smooth-L1 between the predicted and true features, plus
    `ce_weight` × the cross-entropy of the LM head on the predicted feature against the target's choice.
@@ -30,7 +31,6 @@ That is the `eagle1` recipe. The `eagle3` recipe (EAGLE-3, arXiv:2503.01840; hea
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,6 @@ from typing import Callable
 import torch
 
 from accelgen import cache as kv
-from accelgen.atomic import CorruptFileError, load_tensors, save_tensors_atomically
 from accelgen.heads.eagle import EagleHead, new_head
 from accelgen.heads.eagle3 import Eagle3Head, default_target_layers, new_eagle3_head
 from accelgen.heads.lm_head import DraftLMHead, draft_vocabulary
@@ -47,7 +46,6 @@ from accelgen.models.block import Block, blocking_mask
 from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
 
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
-FEATURES = "features.safetensors"  # the target's features and choices over the training windows
 
 
 def whole_windows(length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,31 +82,6 @@ def collect_layer_states(model, windows: torch.Tensor, layers: tuple[int, ...],
         if progress is not None:
             progress(index + 1)
     return torch.stack(states), torch.stack(choices)
-
-
-def cached_features(model, windows: torch.Tensor, folder: Path, progress: Callable[[int], None] | None = None):
-    """collect_features, saved in folder (atomically) and reused by a later run over the same windows."""
-    path = Path(folder) / FEATURES
-    saved = saved_features(path, windows, model.config.hidden_size)
-    if saved is not None:
-        return saved
-    features, choices = collect_features(model, windows, progress)
-    save_tensors_atomically(path, {"windows": windows, "features": features, "choices": choices})
-    return features, choices
-
-
-def saved_features(path: Path, windows: torch.Tensor, hidden_size: int):
-    """(features, choices) from the cache at path if it holds those of these windows at this width, else None.
-    An unreadable cache is None too, with a warning naming it: a damaged cache is computed again, never trusted."""
-    if not path.exists():
-        return None
-    try:
-        saved = load_tensors(path, "computing the features again")
-    except CorruptFileError as error:
-        print(f"accelgen: {error}", file=sys.stderr)
-        return None
-    fits = {"windows", "features", "choices"} <= saved.keys() and torch.equal(saved["windows"], windows)
-    return (saved["features"], saved["choices"]) if fits and saved["features"].shape[-1] == hidden_size else None
 
 
 @dataclass

@@ -3,9 +3,9 @@ train, d² weights per head; the LM head they share is the target's, frozen.
 
 `accelgen train medusa` works in two stages:
 
-1. **Cache.** The frozen target runs once over packed windows of the dataset; its features and its own greedy
-   choices are saved in the out folder (`features.safetensors`, the same cache as EAGLE's: give `--features`
-   an EAGLE run's folder to share it). A rerun reuses them.
+1. **Features.** The frozen target runs once over packed windows of the dataset; its features and its own greedy
+   choices go to the sharded feature store in the out folder (train/shards.py, `features/last-hidden/`, the
+   same store as EAGLE's: give `--features` an EAGLE run's folder to share it). A rerun reuses them.
 2. **Training.** Every head trains on batches of positions. Its label is the *target's* choice k places on
    (self-distillation, as in Medusa-2), not the dataset's token: the drafts are to guess what this target
    says. Heads draft from the `draft_vocab` tokens most frequent in the data and the choices, as EAGLE does,

@@ -178,7 +178,7 @@ def training_prompts(tokenizer, sources: list[str], count: int, skip_humaneval: 
     """count prompt token lists taken in turn from the sources (humaneval, sharegpt, jsonl:FILE as the benchmark
     reads it), none of them a benchmark prompt of the first two: HumanEval tasks from skip_humaneval on, and ShareGPT conversations the `sharegpt` benchmark
     does not sample."""
-    from accelgen.datasets import load_dataset, load_humaneval, prompt_token_ids
+    from accelgen.datasets import load_dataset, load_humaneval, prompt_token_ids, unsampled_sharegpt_prompts
 
     pools = []
     for source in sources:
@@ -201,23 +201,3 @@ def training_prompts(tokenizer, sources: list[str], count: int, skip_humaneval: 
     if len(prompts) < count:
         raise ValueError(f"the prompt sources gave {len(prompts)} prompts, fewer than the {count} asked for")
     return prompts
-
-
-def unsampled_sharegpt_prompts():
-    """First human turns of ShareGPT conversations that the `sharegpt` benchmark never draws its prompts from."""
-    from accelgen.datasets import (
-        SHAREGPT_MAX_PROMPT_CHARS,
-        Prompt,
-        iter_json_array,
-        sharegpt_file,
-        sharegpt_sampled,
-    )
-
-    for conversation in iter_json_array(sharegpt_file(), truncated_ok=True):
-        conversation_id = str(conversation.get("id", ""))
-        turns = conversation.get("conversations") or []
-        if not turns or sharegpt_sampled(conversation_id):
-            continue
-        text = turns[0].get("value")
-        if turns[0].get("from") == "human" and isinstance(text, str) and 0 < len(text.strip()) <= SHAREGPT_MAX_PROMPT_CHARS:
-            yield Prompt(conversation_id, "sharegpt", text, chat=True)

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import accelgen
@@ -56,25 +55,6 @@ def test_checkpoints_resume(tiny_target, data, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         train_eagle(tiny_target, windows, features, choices, EagleConfig(steps=8, checkpoint_every=2,
                                                                          **{**SMALL, "learning_rate": 0.5}), tmp_path)
-
-
-def test_features_are_cached_once(tiny_target, data, tmp_path, monkeypatch):
-    windows, features, choices = data
-    first = eagle.cached_features(tiny_target, windows, tmp_path)
-    monkeypatch.setattr(eagle, "collect_features", lambda *args, **kwargs: pytest.fail("features computed twice"))
-    again = eagle.cached_features(tiny_target, windows, tmp_path)
-    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]) and torch.equal(again[1], choices)
-
-
-def test_a_damaged_feature_cache_is_computed_again(tiny_target, data, tmp_path, capsys):
-    windows, features, choices = data
-    eagle.cached_features(tiny_target, windows, tmp_path)
-    path = tmp_path / eagle.FEATURES
-    path.write_bytes(path.read_bytes()[:1000])  # truncated
-    again = eagle.cached_features(tiny_target, windows, tmp_path)
-    assert torch.equal(again[0], features) and torch.equal(again[1], choices)
-    assert f"{path} is unreadable" in capsys.readouterr().err  # the warning names the file
-    assert torch.equal(load_file(path)["features"], features)  # and it is whole again
 
 
 def test_the_command_trains_a_head_that_generate_uses(command_inputs, tokenizer, tmp_path):
