@@ -60,6 +60,17 @@ def test_a_plain_load_has_copies_which_tie_if_declared_ties(tmp_path, tokenizer)
     assert shared_cycle.cycle_and_repeats(plain, "speed") == (2, 3)
 
 
+def test_load_model_ties_a_declared_cycle(tmp_path, tokenizer):
+    """What `accelgen generate|bench --model DIR` loads: the layers shared again, so plain decoding and `speed`
+    run the same model, reading a cycle's weights, not copies."""
+    from accelgen.models import load_model
+
+    shared_cycle.save(tiny(), tokenizer, tmp_path)
+    model, _ = load_model(str(tmp_path), dtype="float32")
+    assert shared_cycle.cycle_and_repeats(model, "speed") == (2, 3)
+    assert model.model.layers[2].mlp.up_proj.weight is model.model.layers[0].mlp.up_proj.weight
+
+
 def test_models_without_a_cycle_are_refused_by_name(make_tiny_model):
     plain = make_tiny_model("llama", layers=4)
     with pytest.raises(ValueError, match="speed needs a model whose decoder layers share weights in a cycle"):
