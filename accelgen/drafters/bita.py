@@ -11,8 +11,20 @@ the masks of each group, which every mask sees and nothing real does (docs/bita-
 
 from __future__ import annotations
 
-from accelgen.drafters.mask_drafting import MaskDraftOptions, MaskOptions, make_drafter, runner_maker
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.mask_drafting import (
+    MaskDrafter,
+    MaskDraftOptions,
+    MaskOptions,
+    make_drafter,
+    runner_maker,
+)
 from accelgen.registry import MethodSpec, Part, register
+
+
+def _make(build: BuildContext, options: MaskDraftOptions) -> MaskDrafter:
+    return make_drafter(build, options)  # (the shared drafter, over the mask tokens its runner loaded)
+
 
 register(
     MethodSpec(
@@ -22,7 +34,7 @@ register(
         paper="Lin et al. 2024, arXiv:2401.12522",
         summary="the frozen target drafts k tokens with trained prompt and mask embeddings appended to the very "
                 "forward that verifies the previous draft",
-        drafter=Part(make_drafter, MaskDraftOptions),  # the shared drafter, over the masks its runner loaded
+        drafter=Part(_make, MaskDraftOptions),
         runner=Part(runner_maker("bita"), MaskOptions),
         needs=("heads",),
     )

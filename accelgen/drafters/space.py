@@ -9,8 +9,20 @@ only, never at the target's own rows (heads/mask_tokens.py, `accelgen train spac
 
 from __future__ import annotations
 
-from accelgen.drafters.mask_drafting import MaskDraftOptions, MaskOptions, make_drafter, runner_maker
+from accelgen.drafters.base import BuildContext
+from accelgen.drafters.mask_drafting import (
+    MaskDrafter,
+    MaskDraftOptions,
+    MaskOptions,
+    make_drafter,
+    runner_maker,
+)
 from accelgen.registry import MethodSpec, Part, register
+
+
+def _make(build: BuildContext, options: MaskDraftOptions) -> MaskDrafter:
+    return make_drafter(build, options)  # (the shared drafter, over the mask tokens its runner loaded)
+
 
 register(
     MethodSpec(
@@ -20,7 +32,7 @@ register(
         paper="Yi et al. 2024, arXiv:2402.11809",
         summary="auto-correct decoding: one forward verifies the last candidates and proposes the next from mask "
                 "tokens, through a LoRA applied at the mask positions only",
-        drafter=Part(make_drafter, MaskDraftOptions),  # the shared drafter, over the masks its runner loaded
+        drafter=Part(_make, MaskDraftOptions),
         runner=Part(runner_maker("space"), MaskOptions),
         needs=("heads",),
     )
