@@ -32,6 +32,12 @@ def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> i
     return saved["step"]
 
 
+def checkpoint_due(steps_done: int, config) -> bool:
+    """Whether a trainer saves its checkpoint after steps_done steps: every `config.checkpoint_every` steps, and
+    after the last one."""
+    return steps_done % config.checkpoint_every == 0 or steps_done == config.steps
+
+
 def save_checkpoint(path: Path, step: int, settings: dict, module, optimizer) -> None:
     """Atomically: a run killed while saving resumes from the checkpoint before."""
     torch_save_atomically(path, {"step": step, "settings": settings, "module": module.state_dict(),

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
-from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
 from accelgen.train.trajectories import (
     CollectionSettings,
     Trajectory,
@@ -247,7 +247,7 @@ def train_cllm(model, tokenizer, trajectories: list[Trajectory], config: CllmCon
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         positions += counts["ar_positions"]
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+        if checkpoint_due(step + 1, config):
             save_checkpoint(out_dir / TRAINER_FILE, step + 1, settings, model, optimizer)
         if progress is not None:
             progress({"step": step + 1, "steps": config.steps, "consistency": float(consistency.detach()),

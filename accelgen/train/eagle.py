@@ -43,7 +43,7 @@ from accelgen.heads.eagle import EagleHead, new_head
 from accelgen.heads.eagle3 import Eagle3Head, default_target_layers, new_eagle3_head
 from accelgen.heads.lm_head import DraftLMHead, draft_vocabulary
 from accelgen.models.block import Block, blocking_mask
-from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
 
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
 
@@ -209,7 +209,7 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+        if checkpoint is not None and checkpoint_due(step + 1, config):
             save_checkpoint(checkpoint, step + 1, run_settings(config), head, optimizer)
         if progress is not None:
             seconds = time.perf_counter() - started
@@ -266,7 +266,7 @@ def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: to
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+        if checkpoint is not None and checkpoint_due(step + 1, config):
             save_checkpoint(checkpoint, step + 1, run_settings(config), head, optimizer)
         if progress is not None:
             seconds = time.perf_counter() - started

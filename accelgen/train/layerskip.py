@@ -34,6 +34,7 @@ import torch
 from accelgen.atomic import (load_tensors, load_torch, save_pretrained_atomically, torch_save_atomically,
                              write_json_atomically)
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
+from accelgen.train.checkpoints import checkpoint_due
 
 TRAINER_FILE = "trainer.pt"  # weights, optimizer state and step: what a rerun resumes from
 CURRICULA = ("rotational", "gradual")
@@ -158,7 +159,7 @@ def train_layerskip(model, tokenizer, windows: torch.Tensor, config: LayerSkipCo
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += batch.numel()
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+        if checkpoint_due(step + 1, config):
             save_checkpoint(model, tokenizer, optimizer, out_dir, step + 1, config)
         if progress is not None:
             progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()), "exit_losses": per_layer,

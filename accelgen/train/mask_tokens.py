@@ -28,7 +28,7 @@ from accelgen import cache as kv
 from accelgen.heads.mask_tokens import MaskTokens, lora_targets, model_fingerprint
 from accelgen.models.block import blocking_mask
 from accelgen.models.layerwise import llama_decoder
-from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
 from accelgen.train.pass_embeddings import lookahead_layout, random_cuts
 
 CHECKPOINT = "mask_tokens_checkpoint.pt"
@@ -100,7 +100,7 @@ def train_mask_tokens(model, tokens: MaskTokens, windows: torch.Tensor, config, 
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+            if checkpoint is not None and checkpoint_due(step + 1, config):
                 save_checkpoint(checkpoint, step + 1, settings, tokens, optimizer)
             if progress is not None:
                 right = (logits.argmax(-1) == labels).float().reshape(len(rows), -1, tokens.count)

@@ -28,7 +28,7 @@ import torch
 
 from accelgen.heads.lm_head import draft_vocabulary
 from accelgen.heads.medusa import MedusaHeads
-from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
 
 CHECKPOINT = "medusa_trainer.pt"  # heads, optimizer state and step, while training
 
@@ -92,7 +92,7 @@ def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+        if checkpoint is not None and checkpoint_due(step + 1, config):
             save_checkpoint(checkpoint, step + 1, settings, medusa, optimizer)
         if progress is not None:
             seconds = time.perf_counter() - started

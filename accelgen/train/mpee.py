@@ -28,7 +28,7 @@ import torch
 
 from accelgen.heads.mpee import MpeeHeads
 from accelgen.models.layouts import Decoder
-from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
 
 CHECKPOINT = "mpee_trainer.pt"  # heads, optimizer state and step, while training
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.0)  # evaluated on held-out positions
@@ -105,7 +105,7 @@ def _train(model, heads: MpeeHeads, hidden_states, config: MpeeConfig, out_dir, 
         total.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+        if checkpoint is not None and checkpoint_due(step + 1, config):
             save_checkpoint(checkpoint, step + 1, settings, heads, optimizer)
         if progress is not None:
             progress({"step": step + 1, "steps": config.steps, "loss": float(total.detach()), "agreement": agreement,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from accelgen.models import shared_cycle
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
-from accelgen.train.checkpoints import resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
 
 TRAINER_FILE = "trainer.pt"  # weights, optimizer state and step: what a rerun resumes from
 
@@ -135,7 +135,7 @@ def train_speed_model(model, windows: torch.Tensor, config: SpeedModelConfig, ou
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += batch.numel()
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+        if checkpoint_due(step + 1, config):
             save_checkpoint(path, step + 1, settings, model, optimizer)
         if progress is not None:
             progress({"step": step + 1, "steps": config.steps, "loss": float(final.detach()),

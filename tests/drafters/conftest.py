@@ -1,5 +1,6 @@
 """Shared by the drafter tests: cached greedy references, a lossless check that explains a mismatch, a tiny
-model that falls into a cycle, a SmolLM2 copy task, and a check that sampling keeps the target distribution."""
+model that falls into a cycle, a SmolLM2 copy task, a check that sampling keeps the target distribution, and
+BiTA/SPACE drafts forced right or wrong."""
 
 from __future__ import annotations
 
@@ -155,3 +156,27 @@ def smollm_26_layers(smollm):
     draft_model.model.layers = draft_model.model.layers[:26]
     draft_model.config.num_hidden_layers = 26
     return draft_model
+
+
+@pytest.fixture
+def mask_oracle(monkeypatch):
+    """mask_oracle(reference, prompt_length, wrong_from): MaskDrafter (BiTA, SPACE) proposes the true
+    continuation (its masks' rows still read, then overridden), wrong from index wrong_from on (None: all right;
+    0: none right)."""
+    from accelgen.draft import Draft
+    from accelgen.drafters.mask_drafting import MaskDrafter
+
+    original = MaskDrafter.propose
+
+    def force(reference: list[int], prompt_length: int, wrong_from: int | None) -> None:
+        def propose(self, context, max_nodes):
+            original(self, context, max_nodes)
+            done = len(context) - prompt_length
+            truth = torch.tensor(reference[done : done + self.masks], dtype=torch.long)
+            if wrong_from is not None:
+                truth[wrong_from:] = (truth[wrong_from:] + 1) % 1000
+            return Draft.chain(truth).truncated(max_nodes)
+
+        monkeypatch.setattr(MaskDrafter, "propose", propose)
+
+    return force

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.drafters.mask_drafting import MaskDrafter
 from accelgen.train.bita import BitaConfig, new_bita_tokens
 from accelgen.train.mask_tokens import train_mask_tokens
 from accelgen.train.space import SpaceConfig, new_space_tokens
@@ -54,38 +53,21 @@ def test_trained_tokens_are_lossless(tiny_target, tokenizer, tiny_target_windows
     assert_lossless(tiny_target, tokenizer, PROMPT, "bita", 40, heads=saved(tokens, tmp_path))
 
 
-def oracle(monkeypatch, reference: list[int], prompt_length: int, wrong_from: int | None):
-    """Make MaskDrafter propose the true continuation (its masks' rows still read, then overridden), with the
-    tokens from index wrong_from on replaced by a wrong one (None: all right; 0: none right)."""
-    original = MaskDrafter.propose
-
-    def propose(self, context, max_nodes):
-        original(self, context, max_nodes)
-        done = len(context) - prompt_length
-        truth = torch.tensor(reference[done : done + self.masks], dtype=torch.long)
-        if wrong_from is not None:
-            truth[wrong_from:] = (truth[wrong_from:] + 1) % 1000
-        from accelgen.draft import Draft
-        return Draft.chain(truth).truncated(max_nodes)
-
-    monkeypatch.setattr(MaskDrafter, "propose", propose)
-
-
 @pytest.mark.parametrize("wrong_from, accepted", [(None, 3), (1, 1), (0, 0)])
-def test_drafts_all_partly_or_never_right(tiny_target, tokenizer, greedy, assert_lossless, monkeypatch, tmp_path,
-                                          wrong_from, accepted):
+def test_drafts_all_partly_or_never_right(tiny_target, tokenizer, greedy, assert_lossless, tmp_path,
+                                          wrong_from, accepted, mask_oracle):
     reference = greedy(tiny_target, tokenizer, PROMPT, 40).token_ids + [0] * 8
     folder = saved(new_bita_tokens(tiny_target, BitaConfig()), tmp_path)
-    oracle(monkeypatch, reference, len(PROMPT), wrong_from)
+    mask_oracle(reference, len(PROMPT), wrong_from)
     result = assert_lossless(tiny_target, tokenizer, PROMPT, "bita", 40, heads=folder)
     assert set(result.stats["accepted_per_step"][1:-1]) == {accepted}  # (the first step has no draft yet)
 
 
-def test_eos_inside_a_draft_ends_generation_there(tiny_target, tokenizer, greedy, monkeypatch, tmp_path):
+def test_eos_inside_a_draft_ends_generation_there(tiny_target, tokenizer, greedy, tmp_path, mask_oracle):
     reference = greedy(tiny_target, tokenizer, PROMPT, 40).token_ids
     eos = reference[5]
     expected = reference[: reference.index(eos) + 1]
-    oracle(monkeypatch, reference + [0] * 8, len(PROMPT), None)
+    mask_oracle(reference + [0] * 8, len(PROMPT), None)
     folder = saved(new_bita_tokens(tiny_target, BitaConfig()), tmp_path)
     result = accelgen.generate(tiny_target, tokenizer, PROMPT, method="bita", heads=folder, max_new_tokens=40,
                                eos_token_id=eos)
@@ -93,23 +75,23 @@ def test_eos_inside_a_draft_ends_generation_there(tiny_target, tokenizer, greedy
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 4])
-def test_max_new_tokens_smaller_than_a_draft(tiny_target, tokenizer, greedy, assert_lossless, monkeypatch, tmp_path,
-                                             budget):
+def test_max_new_tokens_smaller_than_a_draft(tiny_target, tokenizer, greedy, assert_lossless, tmp_path,
+                                             budget, mask_oracle):
     reference = greedy(tiny_target, tokenizer, PROMPT, 8).token_ids + [0] * 8
-    oracle(monkeypatch, reference, len(PROMPT), None)
+    mask_oracle(reference, len(PROMPT), None)
     folder = saved(new_bita_tokens(tiny_target, BitaConfig(count=5)), tmp_path)
     result = assert_lossless(tiny_target, tokenizer, PROMPT, "bita", budget, heads=folder)
     assert len(result.token_ids) == budget
 
 
 def test_smollm2_is_lossless_with_untrained_and_oracle_drafts(smollm, copy_prompt, assert_lossless, greedy,
-                                                               monkeypatch, tmp_path):
+                                                               tmp_path, mask_oracle):
     model, tokenizer = smollm
     folder = saved(new_bita_tokens(model, BitaConfig()), tmp_path)
     assert_lossless(model, tokenizer, copy_prompt, "bita", 24, heads=folder)
     reference = greedy(model, tokenizer, copy_prompt, 24).token_ids + [0] * 8
     from accelgen.prompts import encode_prompt
-    oracle(monkeypatch, reference, len(encode_prompt(tokenizer, copy_prompt)), 2)
+    mask_oracle(reference, len(encode_prompt(tokenizer, copy_prompt)), 2)
     result = assert_lossless(model, tokenizer, copy_prompt, "bita", 24, heads=folder)
     assert 2 in result.stats["accepted_per_step"]
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.draft import Draft
-from accelgen.drafters.mask_drafting import MaskDrafter, MaskRunner
+from accelgen.drafters.mask_drafting import MaskRunner
 from accelgen.prompts import encode_prompt
 from accelgen.train.bita import BitaConfig, new_bita_tokens
 from accelgen.train.mask_tokens import train_mask_tokens
@@ -61,58 +60,42 @@ def test_trained_tokens_are_lossless(tiny_target, tokenizer, tiny_target_windows
     assert_lossless(tiny_target, tokenizer, PROMPT, "space", 40, heads=saved(tokens, tmp_path))
 
 
-def oracle(monkeypatch, reference: list[int], prompt_length: int, wrong_from: int | None):
-    """MaskDrafter proposes the true continuation (its masks' rows still read, then overridden), wrong from index
-    wrong_from on (None: all right; 0: none right)."""
-    original = MaskDrafter.propose
-
-    def propose(self, context, max_nodes):
-        original(self, context, max_nodes)
-        done = len(context) - prompt_length
-        truth = torch.tensor(reference[done : done + self.masks], dtype=torch.long)
-        if wrong_from is not None:
-            truth[wrong_from:] = (truth[wrong_from:] + 1) % 1000
-        return Draft.chain(truth).truncated(max_nodes)
-
-    monkeypatch.setattr(MaskDrafter, "propose", propose)
-
-
 @pytest.mark.parametrize("wrong_from, accepted", [(None, 3), (2, 2), (0, 0)])
-def test_drafts_all_partly_or_never_right(tiny_target, tokenizer, greedy, assert_lossless, monkeypatch, tmp_path,
-                                          wrong_from, accepted):
+def test_drafts_all_partly_or_never_right(tiny_target, tokenizer, greedy, assert_lossless, tmp_path,
+                                          wrong_from, accepted, mask_oracle):
     reference = greedy(tiny_target, tokenizer, PROMPT, 40).token_ids + [0] * 8
     folder = saved(loud_tokens(tiny_target), tmp_path)
-    oracle(monkeypatch, reference, len(PROMPT), wrong_from)
+    mask_oracle(reference, len(PROMPT), wrong_from)
     result = assert_lossless(tiny_target, tokenizer, PROMPT, "space", 40, heads=folder)
     assert set(result.stats["accepted_per_step"][1:-1]) == {accepted}
 
 
-def test_eos_inside_a_draft_ends_generation_there(tiny_target, tokenizer, greedy, monkeypatch, tmp_path):
+def test_eos_inside_a_draft_ends_generation_there(tiny_target, tokenizer, greedy, tmp_path, mask_oracle):
     reference = greedy(tiny_target, tokenizer, PROMPT, 40).token_ids
     eos = reference[6]
-    oracle(monkeypatch, reference + [0] * 8, len(PROMPT), None)
+    mask_oracle(reference + [0] * 8, len(PROMPT), None)
     result = accelgen.generate(tiny_target, tokenizer, PROMPT, method="space", max_new_tokens=40, eos_token_id=eos,
                                heads=saved(loud_tokens(tiny_target), tmp_path))
     assert result.token_ids == reference[: reference.index(eos) + 1] and result.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3])
-def test_max_new_tokens_smaller_than_a_draft(tiny_target, tokenizer, greedy, assert_lossless, monkeypatch, tmp_path,
-                                             budget):
+def test_max_new_tokens_smaller_than_a_draft(tiny_target, tokenizer, greedy, assert_lossless, tmp_path,
+                                             budget, mask_oracle):
     reference = greedy(tiny_target, tokenizer, PROMPT, 8).token_ids + [0] * 8
-    oracle(monkeypatch, reference, len(PROMPT), None)
+    mask_oracle(reference, len(PROMPT), None)
     folder = saved(loud_tokens(tiny_target, SpaceConfig(rank=4, count=4)), tmp_path)
     result = assert_lossless(tiny_target, tokenizer, PROMPT, "space", budget, heads=folder)
     assert len(result.token_ids) == budget
 
 
 def test_smollm2_is_lossless_with_a_loud_lora_and_oracle_drafts(smollm, copy_prompt, assert_lossless, greedy,
-                                                                 monkeypatch, tmp_path):
+                                                                 tmp_path, mask_oracle):
     model, tokenizer = smollm
     folder = saved(loud_tokens(model, SpaceConfig(rank=2, lora_modules="q_proj,v_proj")), tmp_path)
     assert_lossless(model, tokenizer, copy_prompt, "space", 24, heads=folder)
     reference = greedy(model, tokenizer, copy_prompt, 24).token_ids + [0] * 8
-    oracle(monkeypatch, reference, len(encode_prompt(tokenizer, copy_prompt)), 1)
+    mask_oracle(reference, len(encode_prompt(tokenizer, copy_prompt)), 1)
     result = assert_lossless(model, tokenizer, copy_prompt, "space", 24, heads=folder)
     assert 1 in result.stats["accepted_per_step"]
 
