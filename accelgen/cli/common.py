@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
+from accelgen.train.loop import is_main_process
 
-console = Console(stderr=True)
+console = Console(stderr=True, quiet=not is_main_process())  # under `accelerate launch`, the first process speaks
 
 MODEL_HELP = "Embedded name, HF id, local folder or .gguf file."
 DTYPE_HELP = "float32, bfloat16 or float16 (default: bfloat16 for embedded models)."

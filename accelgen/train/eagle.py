@@ -31,7 +31,6 @@ That is the `eagle1` recipe. The `eagle3` recipe (EAGLE-3, arXiv:2503.01840; hea
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,7 +42,8 @@ from accelgen.heads.eagle import EagleHead, new_head
 from accelgen.heads.eagle3 import Eagle3Head, default_target_layers, new_eagle3_head
 from accelgen.heads.lm_head import DraftLMHead, draft_vocabulary
 from accelgen.models.block import Block, blocking_mask
-from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import run_settings
+from accelgen.train.loop import Checkpointing, ScaleOut, run_training, step_generator, training_device
 
 CHECKPOINT = "eagle_trainer.pt"  # head, optimizer state and step, while training
 
@@ -173,53 +173,59 @@ def ttt_loss(head: Eagle3Head, token_embeds: torch.Tensor, states: torch.Tensor,
 
 def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: EagleConfig,
                 out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
-                on_step: Callable[[int, Callable], None] | None = None) -> tuple[EagleHead, dict]:
+                on_step: Callable[[int, Callable], None] | None = None,
+                scale: ScaleOut | None = None) -> tuple[EagleHead, dict]:
     """Train a head on windows (count, n), the target's features (count, n, d; eagle3: its three layers' states,
     (count, n, 3d)) and choices (count, n); with out_dir, checkpointed there and resumed from its checkpoint.
     on_step(step, drafting_head) is called after each step; drafting_head() gives the head as it would be saved
-    (learning curves).
-    Returns (head, {"resumed_at", "seconds"})."""
+    (learning curves). scale: processes, precision, accumulation (train/loop.py).
+    Returns (head, {"resumed_at", "seconds", "processes"})."""
     if config.recipe == "eagle3":
-        return train_eagle3(model, windows, features, choices, config, out_dir, seed, progress, on_step)
+        return train_eagle3(model, windows, features, choices, config, out_dir, seed, progress, on_step, scale)
     head = new_head(model)
     vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab) if config.draft_vocab else None
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
-    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(head, optimizer, checkpoint, run_settings(config), "EAGLE")
+    device = training_device(scale)
+    model.to(device)
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    generator = torch.Generator().manual_seed(seed + start)
     length = windows.shape[1] - 1  # input pairs (f_t, x_{t+1}) per window
-    positions, mask = whole_windows(length)
-    if on_step is not None and start == 0:  # the untrained head: where the curve starts
-        on_step(0, lambda: with_vocabulary(head, vocab))
-    started = time.perf_counter()
-    for step in range(start, config.steps):
-        rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
-        true = features[rows].float()  # (b, n, d)
-        inputs = true[:, :-1] + (torch.rand(true[:, :-1].shape, generator=generator) * 2 - 1) * config.noise
+    positions, mask = (tensor.to(device) for tensor in whole_windows(length))
+    batch_size = min(config.batch_size, len(windows))
+    per_window = -(-config.ce_positions // batch_size)  # cross-entropy positions drawn in each window
+
+    def draw(step: int) -> dict:
+        generator = step_generator(seed, step)
+        rows = torch.randint(0, len(windows), (batch_size,), generator=generator)
+        noise = (torch.rand((batch_size, length, features.shape[-1]), generator=generator) * 2 - 1) * config.noise
+        picked = torch.randint(0, length, (batch_size, per_window), generator=generator)
+        return {"tokens": windows[rows, 1:], "features": features[rows], "noise": noise, "picked": picked,
+                "choices": choices[rows, 1:]}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        true = batch["features"].float()  # (b, n, d)
         with torch.no_grad():
-            token_embeds = embed(windows[rows, 1:].to(model.device)).float()
-        predicted = head(token_embeds, inputs, positions, mask)  # (b, n-1, d): f_{t+1}
+            token_embeds = embed(batch["tokens"]).float()
+        predicted = head(token_embeds, true[:, :-1] + batch["noise"], positions, mask)  # (b, n-1, d): f_{t+1}
         regression = torch.nn.functional.smooth_l1_loss(predicted, true[:, 1:])
-        picked = torch.randint(0, predicted.shape[0] * length, (config.ce_positions,), generator=generator)
-        logits = lm_head(predicted.reshape(-1, predicted.shape[-1])[picked].to(lm_head.weight.dtype)).float()
-        goal = choices[rows, 1:].reshape(-1)[picked]
+        picked = predicted.gather(1, batch["picked"][..., None].expand(-1, -1, predicted.shape[-1]))  # (b, p, d)
+        logits = lm_head(picked.reshape(-1, picked.shape[-1]).to(lm_head.weight.dtype)).float()
+        goal = batch["choices"].gather(1, batch["picked"]).reshape(-1)
         loss = regression + config.ce_weight * torch.nn.functional.cross_entropy(logits, goal)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and checkpoint_due(step + 1, config):
-            save_checkpoint(checkpoint, step + 1, run_settings(config), head, optimizer)
-        if progress is not None:
-            seconds = time.perf_counter() - started
-            progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
-                      "regression": float(regression.detach()),
-                      "accuracy": float((logits.argmax(-1) == goal).float().mean()), "seconds": seconds,
-                      "tokens_per_second": (step + 1 - start) * len(rows) * length / seconds})
-        if on_step is not None:
-            on_step(step + 1, lambda: with_vocabulary(head, vocab))
-    return with_vocabulary(head, vocab).eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
+        return loss, {"regression": float(regression.detach()),
+                      "accuracy": float((logits.argmax(-1) == goal).float().mean())}
+
+    times = run_training(head, optimizer, config.steps, draw, loss_of, scale=scale,
+                         checkpointing=checkpointing_of(config, out_dir, "EAGLE"), max_grad_norm=0.5,
+                         tokens_per_row=length, progress=progress,
+                         after_step=None if on_step is None else
+                         lambda step: on_step(step, lambda: with_vocabulary(head, vocab)))
+    return with_vocabulary(head, vocab).eval(), times
+
+
+def checkpointing_of(config: EagleConfig, out_dir, what: str) -> Checkpointing:
+    """The head's checkpoint in out_dir (None: none), resumed only with the same config."""
+    return Checkpointing(None if out_dir is None else Path(out_dir) / CHECKPOINT, run_settings(config), what,
+                         config.checkpoint_every)
 
 
 def with_vocabulary(head: EagleHead, vocab: torch.Tensor | None) -> EagleHead:
@@ -236,7 +242,8 @@ def with_vocabulary(head: EagleHead, vocab: torch.Tensor | None) -> EagleHead:
 
 def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: torch.Tensor, config: EagleConfig,
                  out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
-                 on_step: Callable[[int, Callable], None] | None = None) -> tuple[Eagle3Head, dict]:
+                 on_step: Callable[[int, Callable], None] | None = None,
+                 scale: ScaleOut | None = None) -> tuple[Eagle3Head, dict]:
     """The eagle3 recipe of train_eagle: states (count, n, 3d) are the target's three layers (collect_layer_states
     at target_layers_for(model)); the loss is ttt_loss."""
     width = 3 * model.config.hidden_size
@@ -247,35 +254,27 @@ def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: to
                              config.draft_vocab or model.config.vocab_size)
     head = new_eagle3_head(model, vocab, target_layers_for(model))
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.learning_rate)
-    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(head, optimizer, checkpoint, run_settings(config), "EAGLE-3")
-    embed = model.get_input_embeddings()
     labels = head.label_index(choices)  # (count, n) draft ids, -100 outside the draft vocabulary
-    generator = torch.Generator().manual_seed(seed + start)
-    length = windows.shape[1] - 1
-    if on_step is not None and start == 0:  # the untrained head: where the curve starts
-        on_step(0, lambda: head)
-    started = time.perf_counter()
-    for step in range(start, config.steps):
-        rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
+    model.to(training_device(scale))
+    embed = model.get_input_embeddings()
+    batch_size = min(config.batch_size, len(windows))
+
+    def draw(step: int) -> dict:
+        rows = torch.randint(0, len(windows), (batch_size,), generator=step_generator(seed, step))
+        return {"tokens": windows[rows, 1:], "states": states[rows], "labels": labels[rows]}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
         with torch.no_grad():
-            token_embeds = embed(windows[rows, 1:].to(model.device)).float()
-        loss, accuracy = ttt_loss(head, token_embeds, states[rows].float(), labels[rows], config.ttt_steps,
+            token_embeds = embed(batch["tokens"]).float()
+        loss, accuracy = ttt_loss(head, token_embeds, batch["states"].float(), batch["labels"], config.ttt_steps,
                                   config.ttt_decay)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and checkpoint_due(step + 1, config):
-            save_checkpoint(checkpoint, step + 1, run_settings(config), head, optimizer)
-        if progress is not None:
-            seconds = time.perf_counter() - started
-            progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()), "regression": 0.0,
-                      "accuracy": accuracy[0], "accuracy_per_step": accuracy, "seconds": seconds,
-                      "tokens_per_second": (step + 1 - start) * len(rows) * length / seconds})
-        if on_step is not None:
-            on_step(step + 1, lambda: head)
-    return head.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
+        return loss, {"regression": 0.0, "accuracy": accuracy[0], "accuracy_per_step": accuracy}
+
+    times = run_training(head, optimizer, config.steps, draw, loss_of, scale=scale,
+                         checkpointing=checkpointing_of(config, out_dir, "EAGLE-3"), max_grad_norm=0.5,
+                         tokens_per_row=windows.shape[1] - 1, progress=progress,
+                         after_step=None if on_step is None else lambda step: on_step(step, lambda: head))
+    return head.eval(), times
 
 
 @torch.no_grad()

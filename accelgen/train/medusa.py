@@ -19,7 +19,6 @@ shape.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,7 +27,8 @@ import torch
 
 from accelgen.heads.lm_head import draft_vocabulary
 from accelgen.heads.medusa import MedusaHeads
-from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import run_settings
+from accelgen.train.loop import Checkpointing, ScaleOut, run_training, step_generator, training_device
 
 CHECKPOINT = "medusa_trainer.pt"  # heads, optimizer state and step, while training
 
@@ -65,44 +65,39 @@ class MedusaConfig:
 
 def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: MedusaConfig,
                  out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
-                 on_step: Callable[[int, Callable], None] | None = None) -> tuple[MedusaHeads, dict]:
+                 on_step: Callable[[int, Callable], None] | None = None,
+                 scale: ScaleOut | None = None) -> tuple[MedusaHeads, dict]:
     """Train the heads' residual blocks on the target's features (count, n, d) and choices (count, n) over
     windows (count, n); with out_dir, checkpointed there and resumed. on_step(step, drafting_heads) is called after
-    each step, drafting_heads() giving the heads (learning curves). Returns (heads, {"resumed_at", "seconds"})."""
+    each step, drafting_heads() giving the heads (learning curves); scale: processes, precision, accumulation
+    (train/loop.py). Returns (heads, {"resumed_at", "seconds"})."""
     medusa = MedusaHeads(config.heads, model.config.hidden_size, model.config.vocab_size,
                          str(getattr(model, "name_or_path", "")), model.config.num_hidden_layers, config.draft_vocab)
     if config.draft_vocab:
         medusa.vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab)
+    model.to(training_device(scale))
     lm_head = medusa.lm_head(model)
     positions, targets = head_targets(choices, config.heads)
-    labels = lm_head.label_index(targets)  # (N, K) indices into the draft vocabulary, -100 outside it
+    labels = lm_head.label_index(targets).cpu()  # (N, K) indices into the draft vocabulary, -100 outside it
     optimizer = torch.optim.AdamW(medusa.blocks.parameters(), lr=config.learning_rate)
-    settings = run_settings(config)
-    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(medusa, optimizer, checkpoint, settings, "Medusa")
-    generator = torch.Generator().manual_seed(seed + start)
-    if on_step is not None and start == 0:  # the untrained head: where the curve starts
-        on_step(0, lambda: medusa)
-    started = time.perf_counter()
-    for step in range(start, config.steps):
-        rows = torch.randint(0, len(positions), (min(config.batch_size, len(positions)),), generator=generator)
-        logits = lm_head.restricted(medusa(features[positions[rows, 0], positions[rows, 1]]))  # (K, b, V')
-        goal = labels[rows].T  # (K, b)
+
+    def draw(step: int) -> dict:
+        rows = torch.randint(0, len(positions), (min(config.batch_size, len(positions)),),
+                             generator=step_generator(seed, step))
+        return {"features": features[positions[rows, 0], positions[rows, 1]], "labels": labels[rows]}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        logits = lm_head.restricted(medusa(batch["features"]))  # (K, b, V')
+        goal = batch["labels"].T  # (K, b)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), goal.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and checkpoint_due(step + 1, config):
-            save_checkpoint(checkpoint, step + 1, settings, medusa, optimizer)
-        if progress is not None:
-            seconds = time.perf_counter() - started
-            accuracy = (logits.argmax(-1) == goal).float().mean(1)
-            progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
-                      "accuracy": [float(a) for a in accuracy], "seconds": seconds,
-                      "positions_per_second": (step + 1 - start) * len(rows) / seconds})
-        if on_step is not None:
-            on_step(step + 1, lambda: medusa)
-    return medusa.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
+        return loss, {"accuracy": (logits.argmax(-1) == goal).float().mean(1).tolist()}
+
+    checkpointing = Checkpointing(None if out_dir is None else Path(out_dir) / CHECKPOINT, run_settings(config),
+                                  "Medusa", config.checkpoint_every)
+    times = run_training(medusa, optimizer, config.steps, draw, loss_of, scale=scale, checkpointing=checkpointing,
+                         progress=progress,
+                         after_step=None if on_step is None else lambda step: on_step(step, lambda: medusa))
+    return medusa.eval(), times
 
 
 @torch.no_grad()

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from accelgen.atomic import write_json_atomically
-from accelgen.cli.common import FILE_ERRORS, console, reported_errors, set_threads
+from accelgen.cli.common import console, set_threads
 from accelgen.cli.flags import REQUIRED, flag
+from accelgen.train.loop import is_main_process, main_process_first
 
 TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
                        "What is trained learns the target as loaded: use it with the target in the same format.")
@@ -201,7 +202,7 @@ def target_features(run: FeaturesRun, target_model, data, extractor: str, extrac
     identity = {"extractor": extractor, "model": run.model, "model_shape": model_key(target_model),
                 "format": model_format(target_model), "dataset": run.dataset, "seq_len": run.seq_len,
                 **(described or {})}
-    with progress_bar(len(data), f"target features of windows ({extractor})") as show:
+    with main_process_first(), progress_bar(len(data), f"target features of windows ({extractor})") as show:
         return stored_features(feature_store(run, extractor), identity, data, extract,
                                progress=lambda done: show({"step": done}, ""))
 
@@ -232,31 +233,24 @@ def windows_and_features(run: FeaturesRun, layers_for: Callable | None = None) -
     return FeatureWindows(target_model, data, features["features"], features["choices"], run.held_out, tokenizer)
 
 
-def trained_head(run: FeaturesRun, data: FeatureWindows, config, train: Callable, status: str):
-    """(head, times): the head that train(target, windows, features, choices, config=, out_dir=, progress=) ->
-    (head, times) fits to the windows held in, checkpointed in and saved to --out for the run's model."""
+def trained_head(run: FeaturesRun, data: FeatureWindows, config, train: Callable, status: str, scale=None):
+    """(head, times): the head that train(target, windows, features, choices, config=, out_dir=, progress=,
+    scale=) -> (head, times) fits to the windows held in, checkpointed in and saved to --out for the run's model
+    (by the first process, where several train it)."""
     with progress_bar(config.steps) as show:
         head, times = train(data.target_model, *data.training(), config=config, out_dir=run.out,
-                            progress=lambda row: show(row, status))
+                            progress=lambda row: show(row, status), scale=scale)
     head.base_model = run.model
-    head.save(run.out)
+    if is_main_process():
+        head.save(run.out)
     return head, times
-
-
-def train_and_evaluate_head(run: FeaturesRun, config, train: Callable, evaluate: Callable, status: str):
-    """(times, evaluation): the trained_head on the run's windows and features, then
-    evaluate(target, head, windows, features, choices) on the windows held out."""
-    with reported_errors(FILE_ERRORS):
-        data = windows_and_features(run)
-        head, times = trained_head(run, data, config, train, status)
-        return times, evaluate(data.target_model, head, *data.evaluation())
 
 
 def save_evaluation(run: FeaturesRun, config, times: dict, evaluation: dict) -> None:
     """--out/evaluation.json: the held-out evaluation, with the config and the training's times."""
     write_json_atomically(Path(run.out) / "evaluation.json", {
         "held_out_windows": run.held_out, "config": asdict(config), "training_seconds": times["seconds"],
-        "resumed_at": times["resumed_at"], **evaluation})
+        "resumed_at": times["resumed_at"], "processes": times.get("processes", 1), **evaluation})
 
 
 def target_and_trainable_draft(model: str, draft: str, dtype: str | None, threads: int | None):

@@ -13,6 +13,7 @@ from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import (FeaturesRun, features_flag, out_flag, save_evaluation, trained_head,
                                        windows_and_features)
 from accelgen.train.eagle import EagleConfig
+from accelgen.train.loop import ScaleOut, is_main_process
 
 CURVE_DEPTHS = 5  # draft depths the learning curve follows (the eagle method's default tree depth)
 
@@ -30,7 +31,7 @@ class EagleRun(FeaturesRun):
     eval_every: int = eval_every_flag()
 
 
-def eagle(run: EagleRun, config: EagleConfig) -> None:
+def eagle(run: EagleRun, config: EagleConfig, scale: ScaleOut) -> None:
     """EAGLE head (--recipe eagle1 or eagle3): one decoder layer over the frozen target's features; top-1/top-5 held
     out."""
     from accelgen.train.eagle import depth_accuracy, evaluate_eagle, target_layers_for, train_eagle
@@ -49,7 +50,9 @@ def eagle(run: EagleRun, config: EagleConfig) -> None:
                                       lambda head: depth_accuracy(target_model, head, *data.evaluation(), CURVE_DEPTHS))
             train = partial(train_eagle, on_step=curve)
         head, training = trained_head(run, data, config, train, "loss {loss:.3f}, top-1 {accuracy:.0%}, "
-                                                                "{tokens_per_second:.0f} tokens/s")
+                                                                "{tokens_per_second:.0f} tokens/s", scale)
+        if not is_main_process():
+            return  # the first process evaluates and saves
         evaluation = evaluate_eagle(target_model, head, *data.evaluation())
     save_evaluation(run, config, training, evaluation)
     depths = ", ".join(f"{value:.0%}" for value in evaluation["top1_per_depth"][:CURVE_DEPTHS])
@@ -62,4 +65,4 @@ def eagle(run: EagleRun, config: EagleConfig) -> None:
     console.print(f"EAGLE head → {run.out}; use: --method eagle --head {run.out}")
 
 
-eagle_command = command(eagle, Flags(EagleRun), Flags(EagleConfig))
+eagle_command = command(eagle, Flags(EagleRun), Flags(EagleConfig), Flags(ScaleOut))

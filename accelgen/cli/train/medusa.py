@@ -15,6 +15,7 @@ from accelgen.cli.flags import Flags, command
 from accelgen.cli.train.common import (FeaturesRun, features_flag, out_flag, save_evaluation, trained_head,
                                        windows_and_features)
 from accelgen.cli.train.eagle import eval_every_flag
+from accelgen.train.loop import ScaleOut, is_main_process
 from accelgen.train.medusa import MedusaConfig
 
 
@@ -25,7 +26,7 @@ class MedusaRun(FeaturesRun):
     eval_every: int = eval_every_flag()
 
 
-def medusa(run: MedusaRun, config: MedusaConfig) -> None:
+def medusa(run: MedusaRun, config: MedusaConfig, scale: ScaleOut) -> None:
     """Medusa heads (also for blockwise) on the frozen target's features; top-1/top-5 per head held out."""
     from rich.table import Table
 
@@ -50,7 +51,9 @@ def medusa(run: MedusaRun, config: MedusaConfig) -> None:
                                       {**TAU_TREE, "depth": min(TAU_TREE["depth"], config.heads)})
             train = partial(train_medusa, on_step=curve)
         heads, training = trained_head(run, data, config, train, "loss {loss:.3f}, head 1 top-1 {accuracy[0]:.0%}, "
-                                                                 "{positions_per_second:.0f} positions/s")
+                                                                 "{tokens_per_second:.0f} positions/s", scale)
+        if not is_main_process():
+            return  # the first process evaluates and saves
         evaluation = evaluate_medusa(target_model, heads, held_features, held_choices)
     table = Table("head", "guesses token", "top-1", "top-5")
     for row in evaluation:
@@ -63,4 +66,4 @@ def medusa(run: MedusaRun, config: MedusaConfig) -> None:
                   f"in {training['seconds']:.0f}s); use: --method medusa -o heads={run.out} (or --method blockwise)")
 
 
-medusa_command = command(medusa, Flags(MedusaRun), Flags(MedusaConfig))
+medusa_command = command(medusa, Flags(MedusaRun), Flags(MedusaConfig), Flags(ScaleOut))
