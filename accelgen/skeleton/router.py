@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from accelgen.heads.io import check_fits, load_heads, save_heads
+from accelgen.train.loop import ScaleOut, run_training, training_device
 
 NAME = "sot_router"
 TRAIN_COMMAND = "accelgen train sot-router"
@@ -124,27 +125,31 @@ def held_out_split(count: int, share: float, seed: int) -> tuple[torch.Tensor, t
 
 
 def train_router(router: SkeletonRouter, features: torch.Tensor, labels: torch.Tensor, config: RouterConfig,
-                 progress: Callable[[dict], None] | None = None) -> SkeletonRouter:
+                 progress: Callable[[dict], None] | None = None, scale: ScaleOut | None = None) -> SkeletonRouter:
     """Fit the router to features (n, d) float32 and labels (n,) 0/1 in full-batch Adam steps on the logistic loss
     (the rarer label weighted up so that both count equally) plus config.penalty times the squared weights, which
-    keeps a few hundred labels from being memorised by a thousand features. Returns the router, trained in place."""
+    keeps a few hundred labels from being memorised by a thousand features; scale: processes, precision,
+    accumulation (train/loop.py). Returns the router, trained in place, back on the device it came on."""
     labels = labels.float()
     positives = float(labels.sum())
     if positives in (0.0, float(len(labels))):
         raise ValueError(f"every training label is {int(labels[0])}: a router needs questions of both kinds")
     torch.manual_seed(config.seed)
+    device = router.feature_mean.device
     router.feature_mean.copy_(features.mean(0))
     router.feature_scale.copy_(features.std(0).clamp_min(1e-6) if len(features) > 1 else torch.ones_like(features[0]))
-    loss_of = nn.BCEWithLogitsLoss(pos_weight=torch.tensor((len(labels) - positives) / positives))
+    pos_weight = torch.tensor((len(labels) - positives) / positives)
+    logistic_loss = nn.BCEWithLogitsLoss(pos_weight=pos_weight).to(training_device(scale))
     optimizer = torch.optim.Adam(router.parameters(), lr=config.learning_rate)
-    for step in range(1, config.steps + 1):
-        optimizer.zero_grad()
-        loss = loss_of(router(features), labels)
-        (loss + config.penalty * router.linear.weight.square().sum()).backward()
-        optimizer.step()
-        if progress is not None:
-            progress({"step": step, "loss": loss.item()})
-    return router.eval()
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        fit = logistic_loss(router(batch["features"]), batch["labels"])
+        # the whole penalty in every micro-batch's mean: the loop weighs those by their shares, which sum to 1
+        return fit + config.penalty * router.linear.weight.square().sum(), {"logistic_loss": fit.item()}
+
+    run_training(router, optimizer, config.steps, lambda step: {"features": features, "labels": labels}, loss_of,
+                 scale=scale, progress=progress)
+    return router.to(device).eval()
 
 
 def router_accuracy(router: SkeletonRouter, features: torch.Tensor, labels: torch.Tensor) -> dict:

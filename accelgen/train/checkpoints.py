@@ -22,7 +22,7 @@ def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> i
     if path is None or not Path(path).exists():
         return 0
     saved = load_torch(path, "delete it and rerun the same command to train from the start")
-    if saved["settings"] != settings:
+    if saved.get("settings") != settings:  # (a checkpoint of an older format holds none)
         raise ValueError(f"the {what} checkpoint in {Path(path).parent} was trained with other settings; use another --out")
     try:
         module.load_state_dict(saved["module"])

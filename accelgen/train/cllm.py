@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +35,8 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
-from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import run_settings
+from accelgen.train.loop import Checkpointing, ScaleOut, is_main_process, run_training, step_generator
 from accelgen.train.trajectories import (
     CollectionSettings,
     Trajectory,
@@ -165,11 +165,11 @@ def block_logits(model, encoded: EncodedContexts, blocks: torch.Tensor) -> torch
     size, width = blocks.shape[1], encoded.mask.shape[1]
     cache = kv.new_cache(model.config) if encoded.cache is None else kv.gather(
         encoded.cache, [torch.arange(width)] * len(encoded.cache.layers), model.config)
-    inputs = torch.cat([encoded.last_tokens[:, None], blocks[:, :-1]], dim=1)
-    mask = torch.cat([encoded.mask, torch.ones_like(blocks)], dim=1)
+    inputs = torch.cat([encoded.last_tokens[:, None].to(model.device), blocks[:, :-1].to(model.device)], dim=1)
+    mask = torch.cat([encoded.mask, torch.ones(blocks.shape, dtype=torch.long)], dim=1)  # (b, L + n) on the CPU
     positions = encoded.mask.sum(-1, keepdim=True) + torch.arange(size)
-    output = model(input_ids=inputs.to(model.device), attention_mask=mask.to(model.device),
-                   position_ids=positions.to(model.device), use_cache=True, **{kv.cache_keyword(model): cache})
+    output = model(input_ids=inputs, attention_mask=mask.to(model.device), position_ids=positions.to(model.device),
+                   use_cache=True, **{kv.cache_keyword(model): cache})
     return output.logits.float()
 
 
@@ -190,24 +190,40 @@ def unsettled_positions(states: torch.Tensor, fixed: torch.Tensor) -> torch.Tens
     return wrong_before > 0
 
 
+def loss_positions(fixed: torch.Tensor, states: torch.Tensor, eos_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid, counted) (b, n) bool: where the AR loss counts (up to the fixed point's first EOS), and where the
+    consistency loss does (valid positions whose prefix in the state is not the fixed point's). fixed, states:
+    (b, n) long."""
+    valid = valid_positions(fixed, eos_ids)
+    return valid, valid & unsettled_positions(states, fixed)
+
+
+def position_losses(model, contexts: list[torch.Tensor], fixed: torch.Tensor, states: torch.Tensor,
+                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(KL, AR cross-entropy, whether the model's top-1 is the fixed point's token) at each block position (b, n),
+    after contexts[i] (L_i,) long: the KL of the block fed the noisy state states[i] from it fed the fixed point
+    fixed[i], and the fixed point's tokens teacher-forced. fixed, states: (b, n) long."""
+    encoded = encode_contexts(model, contexts, pad_id)
+    fixed_logits = block_logits(model, encoded, fixed)
+    state_logits = block_logits(model, encoded, states)
+    fixed = fixed.to(model.device)
+    ar = torch.nn.functional.cross_entropy(fixed_logits.transpose(1, 2), fixed, reduction="none")
+    target = torch.log_softmax(fixed_logits.detach(), dim=-1)
+    kl = torch.nn.functional.kl_div(torch.log_softmax(state_logits, dim=-1), target, log_target=True,
+                                    reduction="none").sum(-1)
+    return kl, ar, fixed_logits.detach().argmax(-1) == fixed
+
+
 def cllm_losses(model, trajectories: list[Trajectory], states: torch.Tensor, context_len: int, pad_id: int,
                 eos_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(consistency loss, AR loss, counts) over a batch: each trajectory fed the noisy state states[i] (b, n)."""
-    encoded = encode_contexts(model, [t.context[-context_len:] for t in trajectories], pad_id)
     fixed = torch.stack([t.fixed_point for t in trajectories])
-    valid = valid_positions(fixed, eos_ids).to(model.device)
-    fixed_logits = block_logits(model, encoded, fixed)
-    state_logits = block_logits(model, encoded, states)
-    ar_rows = torch.nn.functional.cross_entropy(fixed_logits.transpose(1, 2), fixed.to(model.device), reduction="none")
-    ar = (ar_rows * valid).sum() / valid.sum().clamp(min=1)
-    counted = valid & unsettled_positions(states, fixed).to(model.device)
-    target = torch.log_softmax(fixed_logits.detach(), dim=-1)
-    kl_rows = torch.nn.functional.kl_div(torch.log_softmax(state_logits, dim=-1), target, log_target=True,
-                                         reduction="none").sum(-1)
-    consistency = (kl_rows * counted).sum() / counted.sum().clamp(min=1)
-    agree = int(((fixed_logits.detach().argmax(-1) == fixed.to(model.device)) & valid).sum())
-    return consistency, ar, {"consistency_positions": int(counted.sum()), "ar_positions": int(valid.sum()),
-                             "agree": agree}
+    valid, counted = (mask.to(model.device) for mask in loss_positions(fixed, states, eos_ids))
+    kl, ar, agrees = position_losses(model, [t.context[-context_len:] for t in trajectories], fixed, states, pad_id)
+    consistency = (kl * counted).sum() / counted.sum().clamp(min=1)
+    ar_loss = (ar * valid).sum() / valid.sum().clamp(min=1)
+    return consistency, ar_loss, {"consistency_positions": int(counted.sum()), "ar_positions": int(valid.sum()),
+                                  "agree": int((agrees & valid).sum())}
 
 
 # --- training --------------------------------------------------------------------------------------------------
@@ -223,38 +239,52 @@ def trajectories_digest(trajectories: list[Trajectory]) -> str:
 
 
 def train_cllm(model, tokenizer, trajectories: list[Trajectory], config: CllmConfig, out_dir: Path, eos_ids: set[int],
-               progress: Callable[[dict], None] | None = None) -> dict:
+               progress: Callable[[dict], None] | None = None, scale: ScaleOut | None = None) -> dict:
     """Fine-tune `model` in place (all its weights, AdamW) on the trajectories, resuming from out_dir's checkpoint
     if there is one; checkpointed every `checkpoint_every` steps, and the model and tokenizer saved to out_dir as
-    an HF folder at the end."""
+    an HF folder at the end. scale: processes, precision, accumulation (train/loop.py). Returns steps, resumed_at,
+    seconds and processes."""
     out_dir = Path(out_dir)
     data = usable(trajectories)
     if not data:
         raise ValueError("no trajectory has a noisy state to train on; collect more (more prompts or a larger block)")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
-    settings = run_settings(config) | {"trajectories": trajectories_digest(data)}
-    start = resume(model, optimizer, out_dir / TRAINER_FILE, settings, "CLLM")
+
+    def draw(step: int) -> dict:
+        picked = [data[i] for i in step_examples(len(data), step, config.batch_size, config.seed)]
+        fixed = torch.stack([t.fixed_point for t in picked])
+        states = noisy_states(picked, step_generator(config.seed, step))
+        valid, counted = loss_positions(fixed, states, eos_ids)
+        contexts = left_padded([t.context[-config.context_len:] for t in picked], pad_id)
+        return {"contexts": contexts["input_ids"], "context_mask": contexts["attention_mask"].bool(),  # (b, L)
+                "fixed": fixed, "states": states, "valid": valid, "counted": counted,  # (b, n)
+                "valid_per_row": positions_per_row(valid), "counted_per_row": positions_per_row(counted)}  # (b,)
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        contexts = [ids[kept] for ids, kept in zip(batch["contexts"], batch["context_mask"])]
+        kl, cross_entropy, _ = position_losses(model, contexts, batch["fixed"], batch["states"], pad_id)
+        # each row's sum over its positions, over the whole batch's positions per row: averaged over any share of
+        # the rows and weighted by it (as the loop does), these give the batch's means over its positions
+        consistency = ((kl * batch["counted"]).sum(-1) / batch["counted_per_row"]).mean()
+        ar = ((cross_entropy * batch["valid"]).sum(-1) / batch["valid_per_row"]).mean()
+        return consistency + config.ar_weight * ar, {"consistency": float(consistency.detach()),
+                                                     "ar": float(ar.detach())}
+
     model.train()
-    started, positions = time.perf_counter(), 0
-    for step in range(start, config.steps):
-        batch = [data[i] for i in step_examples(len(data), step, config.batch_size, config.seed)]
-        states = noisy_states(batch, torch.Generator().manual_seed(config.seed * 104_729 + step))
-        consistency, ar, counts = cllm_losses(model, batch, states, config.context_len, pad_id, eos_ids)
-        loss = consistency + config.ar_weight * ar
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        positions += counts["ar_positions"]
-        if checkpoint_due(step + 1, config):
-            save_checkpoint(out_dir / TRAINER_FILE, step + 1, settings, model, optimizer)
-        if progress is not None:
-            progress({"step": step + 1, "steps": config.steps, "consistency": float(consistency.detach()),
-                      "ar": float(ar.detach()), "positions_per_second": positions / (time.perf_counter() - started)})
+    settings = run_settings(config) | {"trajectories": trajectories_digest(data)}
+    checkpointing = Checkpointing(out_dir / TRAINER_FILE, settings, "CLLM", config.checkpoint_every)
+    times = run_training(model, optimizer, config.steps, draw, loss_of, scale=scale, checkpointing=checkpointing,
+                         max_grad_norm=1.0, tokens_per_row=data[0].states.shape[1], progress=progress)
     model.eval()
-    save_pretrained_atomically(out_dir, model, tokenizer)
-    return {"steps": config.steps, "resumed_at": start, "seconds": time.perf_counter() - started}
+    if is_main_process():
+        save_pretrained_atomically(out_dir, model, tokenizer)
+    return {"steps": config.steps, **times}
+
+
+def positions_per_row(positions: torch.Tensor) -> torch.Tensor:
+    """(b,): the batch's count of positions (b, n) bool over its rows (at least 1 in all), in every row."""
+    return positions.sum().clamp(min=1).div(len(positions)).expand(len(positions))
 
 
 # --- held-out evaluation ---------------------------------------------------------------------------------------

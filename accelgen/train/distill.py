@@ -23,15 +23,15 @@ The draft is taught the target's next-token distribution at chosen positions of 
 them sampled at temperature 1, the other half greedy, alternating). The target then scores the same sequences
 in one forward without gradients, and the loss is taken at the generated positions only, never the prompt. The
 draft is thus taught where its own drafts lead, which is where the target will judge it. The target's logits
-are computed per step and dropped after it. Storing full-vocabulary logits would take 600 kB per position in
-float32 for Qwen's 151,936 tokens, so a step holds batch × max_new_tokens rows at most (256 rows ≈ 150 MB).
+are computed in each step's loss and dropped after its backward pass. Storing full-vocabulary logits would take
+600 kB per position in float32 for Qwen's 151,936 tokens, so a step holds batch × max_new_tokens rows at most (256
+rows ≈ 150 MB).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -41,6 +41,7 @@ import torch
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.drafters.distillspec import DISTILLSPEC_FILE, model_fingerprint
 from accelgen.generate import generate
+from accelgen.train.loop import ScaleOut, run_training, training_device
 
 DIVERGENCES = ("tvd", "fkl", "rkl")
 
@@ -160,10 +161,8 @@ def on_policy_examples(target_model, draft_model, tokenizer, prompts: list[list[
     """The draft continues each prompt, then the target scores the sequence: one Example per prompt, taught at
     the generated tokens. Prompt number `first + j` is sampled at temperature 1 when even, greedy when odd."""
     examples = []
-    for offset, prompt in enumerate(prompts):
-        number = first + offset
-        continuation = generate(draft_model, tokenizer, prompt, max_new_tokens=max_new_tokens,
-                                temperature=1.0 if number % 2 == 0 else 0.0, seed=seed + number).token_ids
+    for number, prompt in enumerate(prompts, start=first):
+        continuation = draft_continuation(draft_model, tokenizer, prompt, number, max_new_tokens, seed)
         if not continuation:
             continue
         token_ids = torch.tensor(prompt + continuation)
@@ -173,11 +172,23 @@ def on_policy_examples(target_model, draft_model, tokenizer, prompts: list[list[
     return examples
 
 
+@torch.no_grad()
+def draft_continuation(draft_model, tokenizer, prompt: list[int], number: int, max_new_tokens: int,
+                       seed: int) -> list[int]:
+    """The draft's continuation of prompt number `number`: sampled at temperature 1 (seeded by the number) when it
+    is even, greedy when odd."""
+    return generate(draft_model, tokenizer, prompt, max_new_tokens=max_new_tokens,
+                    temperature=1.0 if number % 2 == 0 else 0.0, seed=seed + number).token_ids
+
+
 def distill(target_model, draft_model, tokenizer, prompts: list[list[int]], *, steps: int, batch_size: int,
             max_new_tokens: int, divergence_name: str = "fkl", learning_rate: float = 5e-6,
-            train_layers: int | None = None, seed: int = 0, progress: Callable[[dict], None] | None = None) -> dict:
+            train_layers: int | None = None, seed: int = 0, progress: Callable[[dict], None] | None = None,
+            scale: ScaleOut | None = None) -> dict:
     """DistillSpec: `steps` AdamW steps on fresh on-policy batches of `batch_size` prompts (cycled). The draft,
-    in float32, is changed in place. Returns the losses, the taught tokens and the seconds taken."""
+    in float32, is changed in place; scale: processes, precision, accumulation (train/loop.py; a micro-batch's
+    sequences are held in memory together for the backward pass). Returns the losses, the taught tokens, the
+    seconds taken and the processes."""
     check_divergence(divergence_name)
     for name, value in (("steps", steps), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
@@ -186,23 +197,53 @@ def distill(target_model, draft_model, tokenizer, prompts: list[list[int]], *, s
         raise ValueError("no training prompts")
     parameters = trainable_parameters(draft_model, train_layers)
     optimizer = torch.optim.AdamW(parameters, lr=learning_rate)
+    target_model.to(training_device(scale))
     losses, taught = [], 0
-    started = time.perf_counter()
-    for step in range(steps):
-        step_started = time.perf_counter()
+
+    def draw(step: int) -> dict:
+        """The draft continues the step's prompts (on every process alike: the same weights, the same seeds)."""
+        nonlocal taught
         first = step * batch_size
         batch = [prompts[(first + i) % len(prompts)] for i in range(batch_size)]
-        examples = on_policy_examples(target_model, draft_model, tokenizer, batch, max_new_tokens=max_new_tokens,
-                                      first=first, seed=seed)
-        if not examples:  # every continuation ended at once (EOS): nothing to teach this step
-            continue
-        losses.append(distillation_step(draft_model, optimizer, parameters, examples, divergence_name))
-        tokens = sum(len(example.positions) for example in examples)
-        taught += tokens
+        sequences = [prompt + draft_continuation(draft_model, tokenizer, prompt, number, max_new_tokens, seed)
+                     for number, prompt in enumerate(batch, start=first)]
+        prompt_lengths = torch.tensor([len(prompt) for prompt in batch])
+        lengths = torch.tensor([len(sequence) for sequence in sequences])
+        generated = int((lengths - prompt_lengths).sum())
+        taught += generated
+        token_ids = torch.zeros(batch_size, int(lengths.max()), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            token_ids[row, :len(sequence)] = torch.tensor(sequence)
+        # the loop averages over rows: each row's summed divergence, times rows / the batch's taught positions,
+        # averages to the mean divergence over every taught position of the batch
+        weight = torch.full((batch_size,), batch_size / max(generated, 1))
+        return {"token_ids": token_ids, "prompt_length": prompt_lengths, "length": lengths, "weight": weight}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        summed = []  # each continued row's weighted divergence
+        for token_ids, prompt_length, length, weight in zip(batch["token_ids"], batch["prompt_length"],
+                                                            batch["length"], batch["weight"]):
+            token_ids = token_ids[:int(length)]
+            positions = torch.arange(int(prompt_length) - 1, int(length) - 1)  # each predicts a generated token
+            if not len(positions):  # the draft ended at once (EOS): nothing to teach
+                continue
+            with torch.no_grad():
+                target_log_probs = torch.log_softmax(logits_at(target_model, token_ids, positions), dim=-1)
+            draft_logits = logits_at(draft_model, token_ids, positions)  # (m, vocab), with grad
+            example = Example(token_ids, positions, target_log_probs)
+            summed.append(weight * distillation_loss(draft_logits, example, divergence_name).sum())
+        if not summed:
+            return torch.zeros((), requires_grad=True), {}
+        return torch.stack(summed).sum() / len(batch["weight"]), {}
+
+    def record(row: dict) -> None:
+        losses.append(row["loss"])
         if progress is not None:
-            progress({"step": step + 1, "steps": steps, "loss": losses[-1],
-                      "tokens_per_second": tokens / (time.perf_counter() - step_started)})
-    return {"losses": losses, "taught_tokens": taught, "seconds": time.perf_counter() - started}
+            progress({**row, "tokens_per_second": taught / row["seconds"]})
+
+    with training_only(draft_model, parameters):
+        times = run_training(draft_model, optimizer, steps, draw, loss_of, scale=scale, progress=record)
+    return {"losses": losses, "taught_tokens": taught, "seconds": times["seconds"], "processes": times["processes"]}
 
 
 def acceptance(target_model, draft_model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,

@@ -57,15 +57,14 @@ def whole_windows(length: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def collect_features(model, windows: torch.Tensor, progress: Callable[[int], None] | None = None):
     """(features (count, n, d) in the model's dtype, choices (count, n) long) over windows (count, n): the
-    target's last hidden states after its final norm, and its greedy next-token choice at each position."""
-    features, choices = [], []
-    for index, window in enumerate(windows):
-        hidden = model.model(input_ids=window[None].to(model.device)).last_hidden_state[0]
-        features.append(hidden.cpu())
-        choices.append(model.get_output_embeddings()(hidden).argmax(-1).cpu())
-        if progress is not None:
-            progress(index + 1)
-    return torch.stack(features), torch.stack(choices)
+    target's last hidden states after its final norm, and its greedy next-token choice at each position. One
+    forward for all the windows (the feature store passes a shard's worth), the choices a window at a time: the
+    logits of them all would be vocab × count × n large."""
+    hidden = model.model(input_ids=windows.to(model.device)).last_hidden_state  # (count, n, d)
+    choices = torch.stack([model.get_output_embeddings()(window).argmax(-1) for window in hidden])
+    if progress is not None:
+        progress(len(windows))
+    return hidden.cpu(), choices.cpu()
 
 
 @torch.no_grad()
@@ -73,15 +72,13 @@ def collect_layer_states(model, windows: torch.Tensor, layers: tuple[int, ...],
                          progress: Callable[[int], None] | None = None):
     """(states (count, n, len(layers) * d) in the model's dtype, choices (count, n) long) over windows (count, n):
     the residual stream entering each of layers (HF's hidden_states[i]) side by side, and the target's greedy
-    next-token choices."""
-    states, choices = [], []
-    for index, window in enumerate(windows):
-        output = model(input_ids=window[None].to(model.device), output_hidden_states=True)
-        states.append(torch.cat([output.hidden_states[layer][0] for layer in layers], dim=-1).cpu())
-        choices.append(output.logits[0].argmax(-1).cpu())
-        if progress is not None:
-            progress(index + 1)
-    return torch.stack(states), torch.stack(choices)
+    next-token choices (as collect_features: one forward, the choices a window at a time)."""
+    output = model.model(input_ids=windows.to(model.device), output_hidden_states=True)
+    states = torch.cat([output.hidden_states[layer] for layer in layers], dim=-1)  # (count, n, 3d)
+    choices = torch.stack([model.get_output_embeddings()(window).argmax(-1) for window in output.last_hidden_state])
+    if progress is not None:
+        progress(len(windows))
+    return states.cpu(), choices.cpu()
 
 
 @dataclass

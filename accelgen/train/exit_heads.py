@@ -11,13 +11,14 @@ is refused with the reason.
 
 from __future__ import annotations
 
-import time
+import contextlib
 from typing import Callable
 
 import torch
 
 from accelgen.heads.exit_heads import ExitHeads
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
+from accelgen.train.loop import ScaleOut, run_training, step_generator, training_device
 
 
 @torch.no_grad()
@@ -33,64 +34,79 @@ def collect_hidden_states(model, windows: torch.Tensor, layers: list[int]) -> di
     return {layer: torch.cat(states) for layer, states in collected.items()}
 
 
-def train_exit_heads(model, hidden_states: dict[int, torch.Tensor], layers: list[int], *, rank: int = 64,
-                     steps: int = 200, batch_size: int = 256, learning_rate: float = 1e-3, seed: int = 0,
-                     progress: Callable[[dict], None] | None = None) -> ExitHeads:
-    """Train adapters (KL to the last layer's distribution) and classifiers (does the exit's top-1 agree?)."""
-    decoder = llama_decoder(model, "exit heads")
-    last = len(decoder.layers) - 1
-    heads = ExitHeads(layers, model.config.hidden_size, rank, base_model=str(getattr(model, "name_or_path", "")),
-                      vocab_size=model.config.vocab_size, layer_count=last + 1)
+@contextlib.contextmanager
+def frozen_base(model):
+    """The base model without gradients while heads on it train, given back as it was."""
     frozen = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    for parameter in frozen:  # the base stays as it is: no gradients for it
+    for parameter in frozen:
         parameter.requires_grad_(False)
     try:
-        return _train(model, decoder, heads, hidden_states, last, steps, batch_size, learning_rate, seed, progress)
+        yield
     finally:
         for parameter in frozen:
             parameter.requires_grad_(True)
 
 
-def _train(model, decoder, heads, hidden_states, last, steps, batch_size, learning_rate, seed, progress) -> ExitHeads:
+def classifier_loss(confidence: torch.Tensor, agrees: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of an exit classifier's confidence (b,) against agrees (b,) 0/1, in float32 outside
+    autocast (mixed precision), where torch refuses binary_cross_entropy."""
+    with torch.autocast(confidence.device.type, enabled=False):
+        return torch.nn.functional.binary_cross_entropy(confidence.float(), agrees.float())
+
+
+def train_exit_heads(model, hidden_states: dict[int, torch.Tensor], layers: list[int], *, rank: int = 64,
+                     steps: int = 200, batch_size: int = 256, learning_rate: float = 1e-3, seed: int = 0,
+                     progress: Callable[[dict], None] | None = None, scale: ScaleOut | None = None) -> ExitHeads:
+    """Train adapters (KL to the last layer's distribution) and classifiers (does the exit's top-1 agree?) on
+    hidden_states {layer: (positions, d)} (the exits' and the last layer's); scale: processes, precision,
+    accumulation (train/loop.py)."""
+    decoder = llama_decoder(model, "exit heads")
+    last = len(decoder.layers) - 1
+    with torch.random.fork_rng():  # the same start on every process (and in every run of a seed)
+        torch.manual_seed(seed)
+        heads = ExitHeads(layers, model.config.hidden_size, rank, base_model=str(getattr(model, "name_or_path", "")),
+                          vocab_size=model.config.vocab_size, layer_count=last + 1)
+    model.to(training_device(scale))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=learning_rate)
-    generator = torch.Generator().manual_seed(seed)
     count = hidden_states[last].shape[0]
-    started = time.perf_counter()
-    for step in range(steps):
-        rows = torch.randint(0, count, (min(batch_size, count),), generator=generator)
+
+    def draw(step: int) -> dict:
+        rows = torch.randint(0, count, (min(batch_size, count),), generator=step_generator(seed, step))
+        return {layer: hidden_states[layer][rows] for layer in [*heads.layers, last]}  # {layer: (b, d)}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
         with torch.no_grad():
-            target = torch.log_softmax(exit_logits(model, decoder, hidden_states[last][rows].to(model.dtype)), dim=-1)
-        total, agreement = 0.0, {}
+            target = torch.log_softmax(exit_logits(model, decoder, batch[last].to(model.dtype)), dim=-1)
+        total, agreement = 0.0, []
         for layer in heads.layers:
-            hidden = hidden_states[layer][rows]
+            hidden = batch[layer]
             logits = exit_logits(model, decoder, heads.adapt(layer, hidden.to(model.dtype)))
             kl = torch.nn.functional.kl_div(torch.log_softmax(logits, dim=-1), target, log_target=True,
                                             reduction="batchmean")
             agrees = (logits.argmax(-1) == target.argmax(-1)).float()
-            classifier = torch.nn.functional.binary_cross_entropy(heads.exit_confidence(layer, hidden), agrees)
-            total = total + kl + classifier
-            agreement[layer] = float(agrees.mean())
-        total.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if progress is not None:
-            progress({"step": step + 1, "steps": steps, "loss": float(total.detach()), "agreement": agreement,
-                      "seconds": time.perf_counter() - started})
+            total = total + kl + classifier_loss(heads.exit_confidence(layer, hidden), agrees)
+            agreement.append(float(agrees.mean()))
+        return total, {"agreement": agreement}  # agreement: per head, in heads.layers' order
+
+    with frozen_base(model):
+        run_training(heads, optimizer, steps, draw, loss_of, scale=scale, progress=progress)
     return heads.eval()
 
 
 @torch.no_grad()
 def evaluate_exit_heads(model, heads: ExitHeads, hidden_states: dict[int, torch.Tensor], chunk: int = 256) -> list[dict]:
     """Per head, on hidden states not trained on: how often the plain exit's and the adapted exit's top-1 equal
-    the last layer's, and how often the classifier (at 0.5) is right about the adapted exit."""
+    the last layer's, and how often the classifier (at 0.5) is right about the adapted exit (on the model's device,
+    where the heads are)."""
     decoder = llama_decoder(model, "exit heads")
     last = len(decoder.layers) - 1
     counts = {layer: [0, 0, 0] for layer in heads.layers}
     total = hidden_states[last].shape[0]
     for start in range(0, total, chunk):
-        final = exit_logits(model, decoder, hidden_states[last][start : start + chunk].to(model.dtype)).argmax(-1)
+        rows = slice(start, start + chunk)
+        final = exit_logits(model, decoder, hidden_states[last][rows].to(model.device, model.dtype)).argmax(-1)
         for layer in heads.layers:
-            hidden = hidden_states[layer][start : start + chunk].to(model.dtype)
+            hidden = hidden_states[layer][rows].to(model.device, model.dtype)
             plain = exit_logits(model, decoder, hidden).argmax(-1) == final
             adapted = exit_logits(model, decoder, heads.adapt(layer, hidden)).argmax(-1) == final
             predicted = heads.exit_confidence(layer, hidden) > 0.5

@@ -14,27 +14,27 @@ Two things are added to the next-token loss while fine-tuning:
   - *gradual*: enabled from the top down as training proceeds.
   The last layer is always on.
 
-`train_layerskip` runs the loop on packed windows of text, with AdamW. It shows progress (loss,
-tokens/s), checkpoints every `checkpoint_every` steps, and resumes from the last checkpoint. The trained
-model is saved as a normal HF folder, which `--model FOLDER --method layerskip` (or any method) loads.
-`exit_accuracy` measures, per layer, how often the exit's top-1 is the next token and agrees with the last
-layer's. The CLI reports it before and after training.
+`train_layerskip` trains on packed windows of text, with AdamW, in train/loop.py's run_training. It shows
+progress (loss, tokens/s), checkpoints every `checkpoint_every` steps, and resumes from the last checkpoint
+exactly (a step's batch and layer dropout depend on the step only). The trained model is saved as a normal HF
+folder, which `--model FOLDER --method layerskip` (or any method) loads. `exit_accuracy` measures, per layer, how
+often the exit's top-1 is the next token and agrees with the last layer's. The CLI reports it before and after
+training.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
-from accelgen.atomic import (load_tensors, load_torch, save_pretrained_atomically, torch_save_atomically,
-                             write_json_atomically)
+from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
-from accelgen.train.checkpoints import checkpoint_due
+from accelgen.train.checkpoints import checkpoint_due, run_settings
+from accelgen.train.loop import Checkpointing, ScaleOut, run_training, step_generator
 
 TRAINER_FILE = "trainer.pt"  # weights, optimizer state and step: what a rerun resumes from
 CURRICULA = ("rotational", "gradual")
@@ -98,14 +98,21 @@ def packed_windows(tokenizer, texts: Iterable[str], seq_len: int, count: int) ->
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, seq_len)[:count]
 
 
-def layerskip_loss(model, windows: torch.Tensor, dropout_rates: list[float], weights: list[float],
-                   generator: torch.Generator) -> tuple[torch.Tensor, dict[int, float]]:
-    """The weighted early-exit loss over windows (b, n), with layer dropout; also each enabled layer's loss."""
+def step_windows(windows: torch.Tensor, step: int, batch_size: int) -> torch.Tensor:
+    """The (b, n) windows of a step: the next batch_size of windows (count, n), wrapping around at the end, so that
+    every step's batch is whole (to split among processes and micro-batches)."""
+    size = min(batch_size, len(windows))
+    return windows[(step * size + torch.arange(size)) % len(windows)]
+
+
+def layerskip_loss(model, windows: torch.Tensor, dropped: torch.Tensor,
+                   weights: list[float]) -> tuple[torch.Tensor, dict[int, float]]:
+    """The weighted early-exit loss over windows (b, n), each sequence passing over the layers dropped (b, L) bool
+    marks (layer dropout); also each enabled layer's loss."""
     decoder = llama_decoder(model, "LayerSkip training")
     targets = windows[:, 1:].reshape(-1).to(model.device)
     total, per_layer = 0.0, {}
-    dropped = lambda index: torch.rand(windows.shape[0], generator=generator) < dropout_rates[index]  # noqa: E731
-    for index, hidden in enumerate(layer_outputs(model, decoder, windows, passed_over=dropped)):
+    for index, hidden in enumerate(layer_outputs(model, decoder, windows, passed_over=lambda layer: dropped[:, layer])):
         if weights[index] > 0:
             logits = exit_logits(model, decoder, hidden[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
@@ -138,64 +145,34 @@ def exit_accuracy(model, windows: torch.Tensor, batch_size: int = 4) -> list[dic
 
 
 def train_layerskip(model, tokenizer, windows: torch.Tensor, config: LayerSkipConfig, out_dir: Path,
-                    progress: Callable[[dict], None] | None = None) -> dict:
+                    progress: Callable[[dict], None] | None = None, scale: ScaleOut | None = None) -> dict:
     """Fine-tune `model` in place on windows (count, seq_len), resuming from out_dir's checkpoint if there is
-    one; the model and tokenizer are saved to out_dir every `checkpoint_every` steps and at the end."""
+    one; the model and tokenizer are saved to out_dir every `checkpoint_every` steps and at the end. scale:
+    processes, precision, accumulation (train/loop.py). Returns steps, resumed_at, seconds and processes."""
     out_dir = Path(out_dir)
     layer_count = model.config.num_hidden_layers
-    rates = layer_dropout_rates(layer_count, config.p_max)
+    rates = torch.tensor(layer_dropout_rates(layer_count, config.p_max))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
-    start = resume(model, optimizer, out_dir, config)
-    generator = torch.Generator().manual_seed(config.seed + start)  # each resumed step draws its own dropout
+
+    def draw(step: int) -> dict:
+        batch = step_windows(windows, step, config.batch_size)
+        weights = torch.tensor(exit_loss_weights(layer_count, step, config.steps, config), dtype=torch.float64)
+        dropped = torch.rand((len(batch), layer_count), generator=step_generator(config.seed, step)) < rates
+        return {"windows": batch, "dropped": dropped,  # (b, L) bool: the layers each sequence passes over
+                "exit_weights": weights.expand(len(batch), -1)}  # (b, L): the step's curriculum, in every row
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        loss, per_layer = layerskip_loss(model, batch["windows"], batch["dropped"], batch["exit_weights"][0].tolist())
+        return loss, {"exit_losses": [per_layer.get(layer, math.nan) for layer in range(layer_count)]}  # nan: off
+
+    def save_model(step: int) -> None:  # the model folder follows each checkpoint the loop saves
+        if step > 0 and checkpoint_due(step, config):
+            save_pretrained_atomically(out_dir, model, tokenizer)
+            write_json_atomically(out_dir / "layerskip.json", {"step": step, **asdict(config)})
+
     model.train()
-    started, tokens = time.perf_counter(), 0
-    for step in range(start, config.steps):
-        first = step * config.batch_size % len(windows)
-        batch = windows[first : first + config.batch_size]
-        weights = exit_loss_weights(layer_count, step, config.steps, config)
-        loss, per_layer = layerskip_loss(model, batch, rates, weights, generator)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += batch.numel()
-        if checkpoint_due(step + 1, config):
-            save_checkpoint(model, tokenizer, optimizer, out_dir, step + 1, config)
-        if progress is not None:
-            progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()), "exit_losses": per_layer,
-                      "tokens_per_second": tokens / (time.perf_counter() - started)})
+    checkpointing = Checkpointing(out_dir / TRAINER_FILE, run_settings(config), "LayerSkip", config.checkpoint_every)
+    times = run_training(model, optimizer, config.steps, draw, loss_of, scale=scale, checkpointing=checkpointing,
+                         max_grad_norm=1.0, tokens_per_row=windows.shape[1], progress=progress, after_step=save_model)
     model.eval()
-    return {"steps": config.steps, "resumed_at": start, "seconds": time.perf_counter() - started}
-
-
-def resume(model, optimizer, out_dir: Path, config: LayerSkipConfig) -> int:
-    """The step to continue from: 0, or the checkpoint's (its weights and optimizer state loaded)."""
-    trainer = out_dir / TRAINER_FILE
-    if not trainer.exists():
-        return 0
-    state = load_torch(trainer, f"delete it and rerun `accelgen train layerskip --out {out_dir}` to start over")
-    if state["config"] != asdict(config) | {"steps": state["config"]["steps"]}:
-        raise ValueError(f"{out_dir} holds a checkpoint trained with other settings; use another --out")
-    weights = state["model"] if "model" in state else model_files_weights(out_dir)
-    missing = model.load_state_dict(weights, strict=False).missing_keys
-    if [key for key in missing if not (key == "lm_head.weight" and model.config.tie_word_embeddings)]:
-        raise ValueError(f"the checkpoint in {out_dir} does not fit this model (missing {missing[:3]} ...)")
-    optimizer.load_state_dict(state["optimizer"])
-    return state["step"]
-
-
-def model_files_weights(out_dir: Path) -> dict:
-    """The weights of the model files in out_dir: where checkpoints written before trainer.pt held them were."""
-    weights = {}
-    for shard in sorted(out_dir.glob("*.safetensors")):
-        weights.update(load_tensors(shard, f"delete {out_dir / TRAINER_FILE} to train from the start"))
-    return weights
-
-
-def save_checkpoint(model, tokenizer, optimizer, out_dir: Path, step: int, config: LayerSkipConfig) -> None:
-    """trainer.pt first, whole in one atomic file (weights, optimizer state, step, settings): what a rerun resumes
-    from, whenever the run was killed. Then the model folder (each file atomic, config.json last) and layerskip.json."""
-    torch_save_atomically(out_dir / TRAINER_FILE, {"step": step, "optimizer": optimizer.state_dict(),
-                                                   "config": asdict(config), "model": model.state_dict()})
-    save_pretrained_atomically(out_dir, model, tokenizer)
-    write_json_atomically(out_dir / "layerskip.json", {"step": step, **asdict(config)})
+    return {"steps": config.steps, **times}

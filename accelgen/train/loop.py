@@ -97,6 +97,8 @@ def accelerator_for(scale: ScaleOut | None = None):
     from accelerate.state import AcceleratorState
 
     precision = (scale or ScaleOut()).mixed_precision
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ValueError("--mixed-precision fp16 needs a GPU (and a gradient scaler); on a CPU use bf16 or no")
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != precision and launched_processes() == 1:
         AcceleratorState._reset_state()  # one process, one trainer at a time: nothing else shares the state
@@ -105,8 +107,9 @@ def accelerator_for(scale: ScaleOut | None = None):
 
 
 def training_device(scale: ScaleOut | None = None) -> torch.device:
-    """Where this process trains (its GPU, else the CPU): a trainer moves its frozen model there first."""
-    return accelerator_for(scale).device
+    """Where this process trains (its GPU, else the CPU): a trainer moves its frozen model there first. (The
+    Accelerator, which fixes the precision, is made by run_training alone.)"""
+    return process_state().device
 
 
 @contextlib.contextmanager

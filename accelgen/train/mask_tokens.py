@@ -1,5 +1,6 @@
-"""Training mask tokens (heads/mask_tokens.py) for BiTA and SPACE on this CPU, with the target frozen. Shared by
-train/bita.py (prompts + masks) and train/space.py (masks + a LoRA applied at the mask positions only).
+"""Training mask tokens (heads/mask_tokens.py) for BiTA and SPACE with the target frozen, through the shared
+training loop (train/loop.py). Shared by train/bita.py (prompts + masks) and train/space.py (masks + a LoRA applied
+at the mask positions only).
 
 Per step, for a batch of packed windows of the dataset (as PaSS trains, train/pass_embeddings.py):
 
@@ -18,7 +19,6 @@ are written atomically every `checkpoint_every` steps, and a rerun with the same
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,8 +28,9 @@ from accelgen import cache as kv
 from accelgen.heads.mask_tokens import MaskTokens, lora_targets, model_fingerprint
 from accelgen.models.block import blocking_mask
 from accelgen.models.layerwise import llama_decoder
-from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
-from accelgen.train.pass_embeddings import lookahead_layout, random_cuts
+from accelgen.train.checkpoints import run_settings
+from accelgen.train.loop import Checkpointing, ScaleOut, run_training, step_generator, training_device
+from accelgen.train.pass_embeddings import frozen, lookahead_layout, lookahead_loss, random_cuts, windows_with_cuts
 
 CHECKPOINT = "mask_tokens_checkpoint.pt"
 
@@ -56,6 +57,7 @@ def mask_logits(model, tokens: MaskTokens, windows: torch.Tensor, cuts: torch.Te
     decoder = llama_decoder(model, tokens.method)
     lm_head = model.get_output_embeddings()
     size, count, length = len(tokens.group), tokens.count, windows.shape[1]
+    cuts = cuts.cpu()  # the layout is built on the CPU
     layouts = [lookahead_layout(row_cuts, size, length) for row_cuts in cuts]
     positions = torch.stack([positions for positions, _ in layouts])  # (b, c·s)
     labelled = (cuts[:, :, None] + 1 + torch.arange(count)).reshape(len(cuts), -1)  # (b, c·k) rows choosing labels
@@ -75,50 +77,31 @@ def mask_logits(model, tokens: MaskTokens, windows: torch.Tensor, cuts: torch.Te
 
 
 def train_mask_tokens(model, tokens: MaskTokens, windows: torch.Tensor, config, out_dir: Path | None = None,
-                      seed: int = 0, progress: Callable[[dict], None] | None = None) -> tuple[MaskTokens, dict]:
+                      seed: int = 0, progress: Callable[[dict], None] | None = None,
+                      scale: ScaleOut | None = None) -> tuple[MaskTokens, dict]:
     """Train tokens for the frozen model on windows (count, n); config has steps, batch_size, cuts,
-    learning_rate, checkpoint_every (and lora_learning_rate with an adapter). Returns (tokens, {"resumed_at", "seconds"})."""
+    learning_rate, checkpoint_every (and lora_learning_rate with an adapter); with out_dir, checkpointed there and
+    resumed; scale: processes, precision, accumulation (train/loop.py).
+    Returns (tokens, {"resumed_at", "seconds", "processes"})."""
     groups = [{"params": [tokens.masks, tokens.prompts], "lr": config.learning_rate}]
     if len(tokens.lora):
         groups.append({"params": list(tokens.lora.parameters()), "lr": config.lora_learning_rate})
     optimizer = torch.optim.Adam(groups)
-    settings = run_settings(config)
-    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(tokens, optimizer, checkpoint, settings, tokens.method)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(start):  # the batches a resumed run has already trained on, drawn again so the rest match
-        _batch(windows, tokens.count, config, generator)
-    frozen = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    for parameter in frozen:  # the model's weights need no gradients: only the tokens train
-        parameter.requires_grad_(False)
-    started = time.perf_counter()
-    try:
-        for step in range(start, config.steps):
-            rows, cuts = _batch(windows, tokens.count, config, generator)
-            logits, labels = mask_logits(model, tokens, windows[rows], cuts)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if checkpoint is not None and checkpoint_due(step + 1, config):
-                save_checkpoint(checkpoint, step + 1, settings, tokens, optimizer)
-            if progress is not None:
-                right = (logits.argmax(-1) == labels).float().reshape(len(rows), -1, tokens.count)
-                seconds = time.perf_counter() - started
-                progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
-                          "accuracy": [float(a) for a in right.mean((0, 1))], "seconds": seconds,
-                          "masks_per_second": (step + 1 - start) * labels.numel() / seconds})
-    finally:
-        for parameter in frozen:
-            parameter.requires_grad_(True)
-    return tokens.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
+    model.to(training_device(scale))
+    batch_size = min(config.batch_size, len(windows))
 
+    def draw(step: int) -> dict:
+        return windows_with_cuts(windows, batch_size, tokens.count, config.cuts, step_generator(seed, step))
 
-def _batch(windows: torch.Tensor, count: int, config, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows (b,), cuts (b, c)): the windows of a step and the positions their groups hang from."""
-    rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
-    cuts = torch.stack([random_cuts(windows.shape[1], count, config.cuts, generator) for _ in rows])
-    return rows, cuts
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        return lookahead_loss(*mask_logits(model, tokens, batch["windows"], batch["cuts"]), tokens.count)
+
+    checkpointing = Checkpointing(None if out_dir is None else Path(out_dir) / CHECKPOINT, run_settings(config),
+                                  tokens.method, config.checkpoint_every)
+    with frozen(model):
+        times = run_training(tokens, optimizer, config.steps, draw, loss_of, scale=scale, checkpointing=checkpointing,
+                             tokens_per_row=config.cuts * tokens.count, progress=progress)
+    return tokens.eval(), times
 
 
 @torch.no_grad()

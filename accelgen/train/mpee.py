@@ -19,7 +19,6 @@ with the last layer, plain and trained, its classifier's accuracy, and what thre
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,7 +27,9 @@ import torch
 
 from accelgen.heads.mpee import MpeeHeads
 from accelgen.models.layouts import Decoder
-from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import run_settings
+from accelgen.train.exit_heads import classifier_loss, frozen_base
+from accelgen.train.loop import Checkpointing, ScaleOut, run_training, step_generator, training_device
 
 CHECKPOINT = "mpee_trainer.pt"  # heads, optimizer state and step, while training
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.0)  # evaluated on held-out positions
@@ -56,61 +57,50 @@ def distillation_weights(count: int) -> list[float]:
 def step_rows(step: int, count: int, batch_size: int, seed: int) -> torch.Tensor:
     """(min(batch_size, count),) positions for one step, drawn from the step's own seed: a resumed run draws the
     same ones as an uninterrupted run."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, count, (min(batch_size, count),), generator=generator)
+    return torch.randint(0, count, (min(batch_size, count),), generator=step_generator(seed, step))
 
 
 def train_mpee(model, hidden_states: dict[int, torch.Tensor], layers: list[int], config: MpeeConfig,
-               out_dir=None, progress: Callable[[dict], None] | None = None) -> tuple[MpeeHeads, dict]:
+               out_dir=None, progress: Callable[[dict], None] | None = None,
+               scale: ScaleOut | None = None) -> tuple[MpeeHeads, dict]:
     """Heads for the exits `layers`, trained on hidden_states {layer: (positions, d)} (the exits' and the last
-    layer's); with out_dir, checkpointed there and resumed. Returns (heads, {"resumed_at", "seconds"})."""
+    layer's); with out_dir, checkpointed there and resumed; scale: processes, precision, accumulation
+    (train/loop.py). Returns (heads, {"resumed_at", "seconds", "processes"})."""
     with torch.random.fork_rng():  # the same start for every run of a config (a resumed run's first part too)
         torch.manual_seed(config.seed)
         heads = MpeeHeads.for_model(model, layers, config.rank)
-    frozen = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    for parameter in frozen:  # the base stays as it is: no gradients for it
-        parameter.requires_grad_(False)
-    try:
-        return _train(model, heads, hidden_states, config, out_dir, progress)
-    finally:
-        for parameter in frozen:
-            parameter.requires_grad_(True)
-
-
-def _train(model, heads: MpeeHeads, hidden_states, config: MpeeConfig, out_dir, progress) -> tuple[MpeeHeads, dict]:
     decoder = Decoder(model, "mpee training")
     last = model.config.num_hidden_layers - 1
     weights = distillation_weights(len(heads.layers))
+    model.to(training_device(scale))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate)
-    settings = {**run_settings(config), "layers": heads.layers, "positions": hidden_states[last].shape[0]}
-    checkpoint = None if out_dir is None else Path(out_dir) / CHECKPOINT
-    start = resume(heads, optimizer, checkpoint, settings, "MPEE")
     count = hidden_states[last].shape[0]
-    started = time.perf_counter()
-    for step in range(start, config.steps):
+
+    def draw(step: int) -> dict:
         rows = step_rows(step, count, config.batch_size, config.seed)
+        return {layer: hidden_states[layer][rows] for layer in [*heads.layers, last]}  # {layer: (b, d)}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
         with torch.no_grad():
-            teacher = torch.log_softmax(decoder.logits(hidden_states[last][rows].to(model.dtype)), dim=-1)
-        chosen = {layer: hidden_states[layer][rows] for layer in heads.layers}
-        features = heads.chain(chosen)
-        total, agreement = 0.0, {}
+            teacher = torch.log_softmax(decoder.logits(batch[last].to(model.dtype)), dim=-1)
+        features = heads.chain(batch)
+        total, agreement = 0.0, []
         for weight, layer in zip(weights, heads.layers):
-            logits = decoder.logits(heads.adapt(layer, chosen[layer].to(model.dtype), features[layer]))
+            logits = decoder.logits(heads.adapt(layer, batch[layer].to(model.dtype), features[layer]))
             kl = torch.nn.functional.kl_div(torch.log_softmax(logits, dim=-1), teacher, log_target=True,
                                             reduction="batchmean")
             agrees = (logits.argmax(-1) == teacher.argmax(-1)).float()
-            classifier = torch.nn.functional.binary_cross_entropy(heads.confidence(layer, features[layer]), agrees)
-            total = total + weight * kl + classifier
-            agreement[layer] = float(agrees.mean())
-        total.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if checkpoint is not None and checkpoint_due(step + 1, config):
-            save_checkpoint(checkpoint, step + 1, settings, heads, optimizer)
-        if progress is not None:
-            progress({"step": step + 1, "steps": config.steps, "loss": float(total.detach()), "agreement": agreement,
-                      "seconds": time.perf_counter() - started})
-    return heads.eval(), {"resumed_at": start, "seconds": time.perf_counter() - started}
+            total = total + weight * kl + classifier_loss(heads.confidence(layer, features[layer]), agrees)
+            agreement.append(float(agrees.mean()))
+        return total, {"agreement": agreement}  # agreement: per exit, in heads.layers' order
+
+    settings = {**run_settings(config), "layers": heads.layers, "positions": count}
+    checkpointing = Checkpointing(None if out_dir is None else Path(out_dir) / CHECKPOINT, settings, "MPEE",
+                                  config.checkpoint_every)
+    with frozen_base(model):
+        times = run_training(heads, optimizer, config.steps, draw, loss_of, scale=scale, checkpointing=checkpointing,
+                             progress=progress)
+    return heads.eval(), times
 
 
 @torch.no_grad()
@@ -119,7 +109,8 @@ def evaluate_mpee(model, heads: MpeeHeads, hidden_states: dict[int, torch.Tensor
     """On hidden states not trained on: per exit, how often the plain and the trained exit's top-1 equal the last
     layer's and how often the classifier (at 0.5) is right about the trained exit; per threshold, the mean depth
     and the agreement of exiting at the first exit whose confidence passes it (each position from the full
-    model's states: what one decoded token would do, before copied states add their error)."""
+    model's states: what one decoded token would do, before copied states add their error). On the model's device,
+    where the heads are."""
     decoder = Decoder(model, "mpee evaluation")
     last = model.config.num_hidden_layers - 1
     total = hidden_states[last].shape[0]
@@ -127,8 +118,9 @@ def evaluate_mpee(model, heads: MpeeHeads, hidden_states: dict[int, torch.Tensor
     depth = {threshold: 0 for threshold in thresholds}
     agreed = {threshold: 0 for threshold in thresholds}
     for start in range(0, total, chunk):
-        final = decoder.logits(hidden_states[last][start : start + chunk].to(model.dtype)).argmax(-1)  # (b,)
-        chosen = {layer: hidden_states[layer][start : start + chunk] for layer in heads.layers}
+        rows = slice(start, start + chunk)
+        final = decoder.logits(hidden_states[last][rows].to(model.device, model.dtype)).argmax(-1)  # (b,)
+        chosen = {layer: hidden_states[layer][rows].to(model.device) for layer in heads.layers}
         features = heads.chain(chosen)
         exits = {}  # layer -> (b,) bool: the trained exit agrees; (b,) confidence
         for layer in heads.layers:

@@ -1,5 +1,5 @@
-"""Training PaSS look-ahead embeddings (heads/pass_embeddings.py) on this CPU, with the target frozen. Only
-the k × d look-ahead weights train; the model is untouched.
+"""Training PaSS look-ahead embeddings (heads/pass_embeddings.py) with the target frozen, through the shared
+training loop (train/loop.py). Only the k × d look-ahead weights train; the model is untouched.
 
 Training (`accelgen train pass`), per step and for a batch of packed windows of the dataset:
 
@@ -15,7 +15,7 @@ Held-out windows give each slot's top-1 accuracy, and the mean number of slots a
 
 from __future__ import annotations
 
-import time
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,6 +25,7 @@ from accelgen import cache as kv
 from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.layerwise import llama_decoder
 from accelgen.models.block import blocking_mask
+from accelgen.train.loop import ScaleOut, run_training, step_generator, training_device
 
 
 def new_embeddings(model, count: int, seed: int = 0) -> LookaheadEmbeddings:
@@ -65,7 +66,7 @@ def slot_logits(model, embeddings: LookaheadEmbeddings, windows: torch.Tensor, c
     decoder = llama_decoder(model, "PaSS")
     lm_head = model.get_output_embeddings()
     count, length = len(embeddings), windows.shape[1]
-    layouts = [lookahead_layout(row_cuts, count, length) for row_cuts in cuts]
+    layouts = [lookahead_layout(row_cuts, count, length) for row_cuts in cuts.cpu()]  # built on the CPU
     positions = torch.stack([positions for positions, _ in layouts])  # (b, c·k)
     with torch.no_grad():
         cache = kv.new_cache(model.config)
@@ -94,34 +95,54 @@ class PassConfig:
 
 
 def train_pass(model, windows: torch.Tensor, config: PassConfig, seed: int = 0,
-               progress: Callable[[dict], None] | None = None) -> LookaheadEmbeddings:
-    """Train k look-ahead embeddings for the frozen model on windows (count, n)."""
+               progress: Callable[[dict], None] | None = None, scale: ScaleOut | None = None) -> LookaheadEmbeddings:
+    """Train k look-ahead embeddings for the frozen model on windows (count, n); scale: processes, precision,
+    accumulation (train/loop.py)."""
     embeddings = new_embeddings(model, config.count, seed)
     optimizer = torch.optim.Adam(embeddings.parameters(), lr=config.learning_rate)
-    generator = torch.Generator().manual_seed(seed)
-    frozen = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    for parameter in frozen:  # the model's weights need no gradients: only the slots train
-        parameter.requires_grad_(False)
-    started = time.perf_counter()
-    try:
-        for step in range(config.steps):
-            rows = torch.randint(0, len(windows), (min(config.batch_size, len(windows)),), generator=generator)
-            cuts = torch.stack([random_cuts(windows.shape[1], config.count, config.cuts, generator) for _ in rows])
-            logits, labels = slot_logits(model, embeddings, windows[rows], cuts)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if progress is not None:
-                right = (logits.argmax(-1) == labels).float().reshape(len(rows), -1, config.count)
-                seconds = time.perf_counter() - started
-                progress({"step": step + 1, "steps": config.steps, "loss": float(loss.detach()),
-                          "accuracy": [float(a) for a in right.mean((0, 1))], "seconds": seconds,
-                          "tokens_per_second": (step + 1) * labels.numel() / seconds})
-    finally:
-        for parameter in frozen:
-            parameter.requires_grad_(True)
+    model.to(training_device(scale))
+    batch_size = min(config.batch_size, len(windows))
+
+    def draw(step: int) -> dict:
+        return windows_with_cuts(windows, batch_size, config.count, config.cuts, step_generator(seed, step))
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        return lookahead_loss(*slot_logits(model, embeddings, batch["windows"], batch["cuts"]), config.count)
+
+    with frozen(model):
+        run_training(embeddings, optimizer, config.steps, draw, loss_of, scale=scale,
+                     tokens_per_row=config.cuts * config.count, progress=progress)
     return embeddings.eval()
+
+
+def windows_with_cuts(windows: torch.Tensor, batch_size: int, count: int, cuts: int,
+                      generator: torch.Generator) -> dict:
+    """A step's batch: {"windows": (b, n) drawn from windows (count, n), "cuts": (b, c) the positions k slots are
+    appended at in each}."""
+    rows = torch.randint(0, len(windows), (batch_size,), generator=generator)
+    picked = torch.stack([random_cuts(windows.shape[1], count, cuts, generator) for _ in rows])
+    return {"windows": windows[rows], "cuts": picked}
+
+
+def lookahead_loss(logits: torch.Tensor, labels: torch.Tensor, count: int) -> tuple[torch.Tensor, dict]:
+    """(mean cross-entropy, {"accuracy": top-1 of each of the k slots}) of the slots' logits (b, c·k, vocab) against
+    their labels (b, c·k)."""
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    right = (logits.argmax(-1) == labels).float().reshape(-1, count)  # (b·c, k)
+    return loss, {"accuracy": right.mean(0).tolist()}
+
+
+@contextlib.contextmanager
+def frozen(model):
+    """The model's weights without gradients (only what is appended to it trains), given back after."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in trainable:
+            parameter.requires_grad_(True)
 
 
 @torch.no_grad()

@@ -5,16 +5,16 @@ scratch on packed windows of text (next-token cross-entropy, AdamW, linear warm-
 guesses the next token from each token's first repeat, read through the final norm and LM head, so that exit's
 cross-entropy is added with weight `exit_weight`: its guesses agreeing with the last layer are SPEED's hits.
 
-`train_speed_model` shows progress, checkpoints every `checkpoint_every` steps (weights, optimizer state and step
-in one atomic file) and resumes from the last checkpoint exactly: the batches and the schedule depend on the
-step only. `held_out_metrics` gives the held-out loss and perplexity, and how often the first repeat's exit
-agrees with the last layer (the hit rate SPEED can expect when every earlier token is right).
+`train_speed_model` trains in train/loop.py's run_training: it shows progress, checkpoints every
+`checkpoint_every` steps (weights, optimizer state and step in one atomic file) and resumes from the last
+checkpoint exactly: the batches and the schedule depend on the step only. `held_out_metrics` gives the held-out
+loss and perplexity, and how often the first repeat's exit agrees with the last layer (the hit rate SPEED can
+expect when every earlier token is right).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from accelgen.models import shared_cycle
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
-from accelgen.train.checkpoints import checkpoint_due, resume, run_settings, save_checkpoint
+from accelgen.train.checkpoints import run_settings
+from accelgen.train.layerskip import step_windows
+from accelgen.train.loop import Checkpointing, ScaleOut, run_training
 
 TRAINER_FILE = "trainer.pt"  # weights, optimizer state and step: what a rerun resumes from
 
@@ -115,30 +117,26 @@ def held_out_metrics(model, windows: torch.Tensor, batch_size: int = 8) -> dict:
 
 
 def train_speed_model(model, windows: torch.Tensor, config: SpeedModelConfig, out_dir: Path,
-                      progress: Callable[[dict], None] | None = None) -> dict:
+                      progress: Callable[[dict], None] | None = None, scale: ScaleOut | None = None) -> dict:
     """Train `model` (new_model's) in place on windows (count, seq_len), resuming from out_dir's checkpoint if there
-    is one (a checkpoint every `checkpoint_every` steps and at the end). Returns steps, resumed_at and seconds."""
-    path = Path(out_dir) / TRAINER_FILE
-    settings = run_settings(config)
+    is one (a checkpoint every `checkpoint_every` steps and at the end); scale: processes, precision, accumulation
+    (train/loop.py). Returns steps, resumed_at, seconds and processes."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.01)
-    start = resume(model, optimizer, path, settings, "speed-model")
-    model.train()
-    started, tokens = time.perf_counter(), 0
-    for step in range(start, config.steps):
-        first = step * config.batch_size % len(windows)
-        batch = windows[first : first + config.batch_size]
-        for group in optimizer.param_groups:
+
+    def draw(step: int) -> dict:
+        for group in optimizer.param_groups:  # draw runs first in each step, on every process
             group["lr"] = learning_rate(step, config)
-        final, early = losses(model, batch, config.cycle)
-        (final + config.exit_weight * early).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += batch.numel()
-        if checkpoint_due(step + 1, config):
-            save_checkpoint(path, step + 1, settings, model, optimizer)
-        if progress is not None:
-            progress({"step": step + 1, "steps": config.steps, "loss": float(final.detach()),
-                      "exit_loss": float(early.detach()), "tokens_per_second": tokens / (time.perf_counter() - started)})
+        return {"windows": step_windows(windows, step, config.batch_size)}
+
+    def loss_of(batch: dict) -> tuple[torch.Tensor, dict]:
+        final, early = losses(model, batch["windows"], config.cycle)
+        return final + config.exit_weight * early, {"final_loss": float(final.detach()),
+                                                    "exit_loss": float(early.detach())}
+
+    model.train()
+    checkpointing = Checkpointing(Path(out_dir) / TRAINER_FILE, run_settings(config), "speed-model",
+                                  config.checkpoint_every)
+    times = run_training(model, optimizer, config.steps, draw, loss_of, scale=scale, checkpointing=checkpointing,
+                         max_grad_norm=1.0, tokens_per_row=windows.shape[1], progress=progress)
     model.eval()
-    return {"steps": config.steps, "resumed_at": start, "seconds": time.perf_counter() - started}
+    return {"steps": config.steps, **times}

@@ -51,3 +51,9 @@ def test_a_value_the_config_refuses_ends_the_command_before_any_model_loads(monk
     monkeypatch.setattr(accelgen.models, "load_model", lambda *args, **kwargs: pytest.fail("loaded a model"))
     result = CliRunner().invoke(app, ["train", "layerskip", "--out", "unused", "--curriculum", "sideways"])
     assert result.exit_code == 2 and "curriculum must be one of" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("trainer", sorted(set(RECORDED) - {"online"}))  # online learns while serving requests
+def test_every_trainer_scales_out_through_the_shared_loop(trainer):
+    flags = flags_of(trainer)
+    assert {"mixed_precision", "grad_accum"} <= set(flags), f"train {trainer} lacks the ScaleOut flags"

@@ -1,6 +1,7 @@
 """SoT's router: it learns labels from features, saves and loads whole, and refuses a model it was not made for;
 its labels are cached and reused."""
 
+import copy
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from accelgen.skeleton import labels
 from accelgen.skeleton.asking import calibrated_label, letter_probabilities, pairwise_verdict
 from accelgen.skeleton.router import (RouterConfig, SkeletonRouter, held_out_split, question_features,
                                       router_accuracy, train_router)
+from accelgen.train.loop import ScaleOut
 
 QUESTIONS = ["How can I sleep better?", "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n",
              "Tips for a job interview?"]
@@ -33,6 +35,15 @@ def test_the_router_learns_labels_it_can_separate(tiny_target):
     after = router_accuracy(router, features[held], labels[held])
     assert after["accuracy"] >= 0.9 > before
     assert after["questions"] == 20 and 0.5 <= after["majority_accuracy"] < 1
+
+
+def test_micro_batches_train_the_router_the_whole_set_does(tiny_target):
+    features, labels = separable(40)
+    untrained = SkeletonRouter.for_model(tiny_target, "tiny")
+    whole, accumulated = (train_router(copy.deepcopy(untrained), features, labels, RouterConfig(steps=3), scale=scale)
+                          for scale in (ScaleOut(), ScaleOut(grad_accum=2)))
+    for name, value in whole.state_dict().items():  # the rounding of summing in parts, through 3 Adam steps of lr 0.05
+        torch.testing.assert_close(accumulated.state_dict()[name], value, rtol=0, atol=5e-6)
 
 
 def test_a_router_needs_both_kinds_of_question(tiny_target):

@@ -10,8 +10,10 @@ from typer.testing import CliRunner
 
 import accelgen
 from accelgen.cli import app
-from accelgen.train.distill import (DIVERGENCES, Example, distillation_loss, distillation_step, divergence,
+from accelgen.train import distill as distillation
+from accelgen.train.distill import (DIVERGENCES, Example, distill, distillation_loss, distillation_step, divergence,
                                     logits_at, on_policy_examples, trainable_parameters, with_rest)
+from accelgen.train.loop import ScaleOut
 
 PROMPTS = [[5, 17, 92, 44, 77, 12], [5, 17, 92, 44, 77, 13]]
 
@@ -102,6 +104,25 @@ def test_distillation_steps_lower_the_divergence_and_raise_agreement(sharp_targe
         assert trained_agreement > 0.5
     assert torch.equal(draft.model.embed_tokens.weight, frozen[0]) and torch.equal(draft.lm_head.weight, frozen[1])
     assert all(p.requires_grad for p in draft.parameters())  # given back
+
+
+def test_gradient_accumulation_distills_the_same_draft(sharp_target, make_tiny_model, tokenizer, monkeypatch):
+    """The step's loss is the mean divergence over every taught position of the batch, whichever rows share a
+    micro-batch: continuations of 2, 5 or 8 tokens (as EOS ends some early) give micro-batches unequal shares."""
+    continuation = distillation.draft_continuation
+    monkeypatch.setattr(distillation, "draft_continuation",
+                        lambda *arguments: continuation(*arguments)[:2 + arguments[3] % 3 * 3])  # by prompt number
+    drafts = []
+    for scale in (None, ScaleOut(grad_accum=2)):
+        draft = make_tiny_model("llama", seed=1, vocab_size=1024)
+        distill(sharp_target, draft, tokenizer, PROMPTS, steps=2, batch_size=4, max_new_tokens=8, learning_rate=1e-2,
+                scale=scale)
+        drafts.append(draft.state_dict())
+    whole, halves = drafts
+    for name, tensor in whole.items():
+        # AdamW divides by the gradient's size: where it is near zero, the rounding of summing the batch in two
+        # halves moves a weight by up to ~1e-4 of a step (1e-2); a wrongly weighted micro-batch, by ~a step
+        torch.testing.assert_close(halves[name], tensor, rtol=0, atol=1e-5)
 
 
 def test_trainable_parameters_are_the_last_layers_and_need_float32(make_tiny_model):

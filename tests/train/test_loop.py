@@ -56,6 +56,9 @@ def test_a_batch_too_small_to_split_is_refused_by_name():
         regression_run(ScaleOut(grad_accum=13))
     with pytest.raises(ValueError, match="--mixed-precision fp8"):
         ScaleOut(mixed_precision="fp8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp16 needs a GPU"):
+            regression_run(ScaleOut(mixed_precision="fp16"))
 
 
 def test_bf16_autocast_trains_float32_weights_near_the_float32_run():
@@ -91,7 +94,7 @@ def tiny_folder(tmp_path_factory, make_tiny_model, tokenizer, tiny_target_window
     return folder
 
 
-def train_medusa(folder, out: str, steps: int, processes: int = 1) -> dict:
+def train_medusa(folder, out: str, steps: int, processes: int = 1, *options: str) -> dict:
     """The Medusa heads `accelgen train medusa` saves, run as one plain process or launched as several."""
     launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m"]
@@ -99,7 +102,7 @@ def train_medusa(folder, out: str, steps: int, processes: int = 1) -> dict:
     command = [*launcher, "accelgen", "train", "medusa", "--model", str(folder / "model"), "--dataset",
                f"jsonl:{folder / 'data.jsonl'}", "--windows", "12", "--held-out", "2", "--seq-len", "24",
                "--steps", str(steps), "--batch-size", "16", "--learning-rate", "0.01", "--draft-vocab", "0",
-               "--threads", "1", "--out", str(folder / out)]
+               "--threads", "1", "--out", str(folder / out), *options]
     environment = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -116,7 +119,7 @@ def assert_same_heads(actual: dict, expected: dict) -> None:
 
 def test_two_processes_over_gloo_train_what_one_process_trains(tiny_folder):
     one = train_medusa(tiny_folder, "one", steps=6)
-    two = train_medusa(tiny_folder, "two", steps=6, processes=2)
+    two = train_medusa(tiny_folder, "two", 6, 2, "--grad-accum", "2")  # each process: 2 micro-batches of 4 rows
     assert float(one["blocks.0.weight"].abs().max()) > 0.01  # trained, not the zero start
     assert_same_heads(two, one)
     assert json.loads((tiny_folder / "two" / "evaluation.json").read_text())["processes"] == 2

@@ -2,6 +2,8 @@
 drafting computes (BiTA's prompts, SPACE's LoRA on), training lowers the masks' loss and touches nothing else, a
 killed run resumes exactly, and the held-out evaluation counts masks right in a row."""
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from accelgen.draft import Draft
 from accelgen.drafters.mask_drafting import MaskDrafter, MaskRunner
 from accelgen.heads.mask_tokens import MaskTokens
 from accelgen.train.bita import BitaConfig, new_bita_tokens
+from accelgen.train.loop import ScaleOut
 from accelgen.train.mask_tokens import (
     evaluate_mask_tokens,
     mask_logits,
@@ -52,7 +55,7 @@ def test_training_layout_computes_what_drafting_computes_with_the_lora(tiny_targ
 def test_training_lowers_the_masks_loss_and_leaves_the_model_alone(tiny_target, tiny_target_windows):
     rows = []
     before = [parameter.clone() for parameter in tiny_target.parameters()]
-    config = BitaConfig(count=2, prompts=0, steps=40, cuts=6, learning_rate=0.1)
+    config = BitaConfig(count=2, prompts=0, steps=80, cuts=6, learning_rate=0.1)
     train_mask_tokens(tiny_target, new_bita_tokens(tiny_target, config), tiny_target_windows[:2], config,
                       progress=rows.append)
     first, last = (sum(row["loss"] for row in part) / len(part) for part in (rows[:5], rows[-5:]))
@@ -75,6 +78,20 @@ def test_a_killed_run_resumes_exactly(tiny_target, tiny_target_windows, tmp_path
     with pytest.raises(ValueError, match="trained with other settings"):
         train_mask_tokens(tiny_target, new_bita_tokens(tiny_target, other), tiny_target_windows, other,
                           out_dir=tmp_path)
+
+
+@pytest.mark.parametrize("config, new_tokens", [(BitaConfig(count=2, prompts=1, steps=2, batch_size=4, cuts=4,
+                                                            learning_rate=0.1), new_bita_tokens),
+                                                 (SpaceConfig(count=2, rank=4, steps=2, batch_size=4, cuts=4,
+                                                              learning_rate=0.1, lora_learning_rate=0.1),
+                                                  new_space_tokens)])
+def test_gradient_accumulation_trains_the_same_tokens(tiny_target, tiny_target_windows, config, new_tokens):
+    start = new_tokens(tiny_target, config)  # one start for both: SPACE's LoRA draws its A from torch's global seed
+    whole, halves = (train_mask_tokens(tiny_target, copy.deepcopy(start), tiny_target_windows, config,
+                                       scale=scale)[0].state_dict() for scale in (None, ScaleOut(grad_accum=2)))
+    for name, tensor in whole.items():
+        # the batch's gradient summed in two halves rounds otherwise; Adam can scale that up to ~1e-4 × the step (0.1)
+        torch.testing.assert_close(halves[name], tensor, rtol=0, atol=1e-5)
 
 
 def test_evaluation_counts_masks_right_in_a_row(tiny_target, tiny_target_windows):

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from accelgen.cli import app
 from accelgen.heads.mpee import MpeeHeads
 from accelgen.train.exit_heads import collect_hidden_states
+from accelgen.train.loop import ScaleOut
 from accelgen.train.mpee import CHECKPOINT, MpeeConfig, distillation_weights, evaluate_mpee, step_rows, train_mpee
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,6 +67,14 @@ def test_a_resumed_run_ends_with_the_same_heads(four_layers, hidden_states, tmp_
     assert not torch.equal(first.state_dict()["adapters.2.weight"], straight.state_dict()["adapters.2.weight"])
     with pytest.raises(ValueError, match="trained with other settings"):
         train_mpee(four_layers, hidden_states, EXITS, MpeeConfig(rank=4, steps=6), out_dir=tmp_path)
+
+
+def test_micro_batches_train_the_heads_the_whole_batch_does(four_layers, hidden_states):
+    config = MpeeConfig(rank=8, steps=3, batch_size=16)
+    whole, _ = train_mpee(four_layers, hidden_states, EXITS, config)
+    accumulated, _ = train_mpee(four_layers, hidden_states, EXITS, config, scale=ScaleOut(grad_accum=2))
+    for name, value in whole.state_dict().items():  # the rounding of summing in parts, through 3 AdamW steps of lr 1e-3
+        torch.testing.assert_close(accumulated.state_dict()[name], value, rtol=0, atol=1e-7)
 
 
 def test_the_evaluation_ends_are_the_full_model_and_the_first_exit(four_layers, hidden_states):

@@ -9,6 +9,7 @@ import torch
 
 from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.runner import ModelRunner
+from accelgen.train.loop import ScaleOut
 from accelgen.train.pass_embeddings import (PassConfig, evaluate_pass, lookahead_layout, new_embeddings, random_cuts,
                                             slot_logits, train_pass)
 
@@ -51,12 +52,20 @@ def test_training_lowers_the_slots_loss_and_leaves_the_model_alone(tiny_target, 
     """On a few windows the slots learn their labels: the loss falls (with gradients reaching only the slots)."""
     rows = []
     before = [parameter.clone() for parameter in tiny_target.parameters()]
-    train_pass(tiny_target, tiny_target_windows[:2], PassConfig(count=2, steps=40, batch_size=2, cuts=6,
+    train_pass(tiny_target, tiny_target_windows[:2], PassConfig(count=2, steps=80, batch_size=2, cuts=6,
                                                                 learning_rate=0.1), progress=rows.append)
     first, last = (sum(row["loss"] for row in part) / len(part) for part in (rows[:5], rows[-5:]))
     assert last < first - 1.0, (first, last)
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_target.parameters()))
     assert all(parameter.requires_grad for parameter in tiny_target.parameters())
+
+
+def test_gradient_accumulation_trains_the_same_embeddings(tiny_target, tiny_target_windows):
+    config = PassConfig(count=2, steps=2, batch_size=4, cuts=6, learning_rate=0.1)
+    whole, halves = (train_pass(tiny_target, tiny_target_windows, config, scale=scale).vectors.detach()
+                     for scale in (None, ScaleOut(grad_accum=2)))
+    # the batch's gradient summed in two halves rounds otherwise; Adam can scale that up to ~1e-4 × the step (0.1)
+    torch.testing.assert_close(halves, whole, rtol=0, atol=1e-5)
 
 
 def test_evaluation_counts_slots_right_in_a_row(tiny_target, tiny_target_windows):

@@ -10,6 +10,7 @@ from accelgen.cli.common import FILE_ERRORS, console, reported_errors, set_threa
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import model_flag, out_flag, progress_bar, threads_flag
 from accelgen.train.cllm import CllmConfig
+from accelgen.train.loop import ScaleOut, is_main_process, main_process_first
 
 
 @dataclass
@@ -28,7 +29,7 @@ class CllmRun:
     threads: int | None = threads_flag()
 
 
-def cllm(run: CllmRun, config: CllmConfig) -> None:
+def cllm(run: CllmRun, config: CllmConfig, scale: ScaleOut) -> None:
     """CLLM: collect the model's Jacobi trajectories, fine-tune it with the consistency + AR losses, and measure
     on held-out blocks the consistency loss, the agreement with the original and the tokens per Jacobi iteration."""
     from accelgen.models import load_model
@@ -56,25 +57,31 @@ def cllm(run: CllmRun, config: CllmConfig) -> None:
             model, tokenizer = load_model(run.model, dtype="float32")
         identity = base_identity(model, run.model)
         check_base(run.out, identity)
-        record_run(run.out, identity, config_record(config, collection))  # claims the folder for this base model
+        main = is_main_process()  # the first process writes the run's files and evaluates
+        if main:
+            record_run(run.out, identity, config_record(config, collection))  # claims the folder for this base model
         eos_ids = eos_token_ids(model, tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0)
         with console.status("tokenizing prompts …"):
             prompts = training_prompts(tokenizer, [s.strip() for s in run.sources.split(",") if s.strip()],
                                        run.prompts, run.skip_humaneval)
         started = time.perf_counter()
-        with progress_bar(len(prompts), "Jacobi trajectories (prompts)") as show:
+        # the first process collects the trajectories' shards, the others read them back
+        with main_process_first(), progress_bar(len(prompts), "Jacobi trajectories (prompts)") as show:
             trajectories = cached_trajectories(model, prompts, collection, eos_ids, run.out,
                                                progress=lambda done: show({"step": done}, ""))
         collection_seconds = time.perf_counter() - started
         held = [t for t in trajectories if t.prompt < run.held_out]  # whole prompts held out
         training = [t for t in trajectories if t.prompt >= run.held_out]
-        with console.status(f"held-out evaluation before training ({len(held)} blocks) …"):
-            before = evaluate_cllm(model, held, config.context_len, pad_id, eos_ids, seed=config.seed)
+        if main:
+            with console.status(f"held-out evaluation before training ({len(held)} blocks) …"):
+                before = evaluate_cllm(model, held, config.context_len, pad_id, eos_ids, seed=config.seed)
         with progress_bar(config.steps) as show:
-            result = train_cllm(model, tokenizer, training, config, run.out, eos_ids,
+            result = train_cllm(model, tokenizer, training, config, run.out, eos_ids, scale=scale,
                                 progress=lambda row: show(row, "consistency {consistency:.3f}, AR {ar:.3f}, "
-                                                               "{positions_per_second:.0f} positions/s"))
+                                                               "{tokens_per_second:.0f} positions/s"))
+        if not main:
+            return
         with console.status("held-out evaluation after training …"):
             after = evaluate_cllm(model, held, config.context_len, pad_id, eos_ids, seed=config.seed)
         record_run(run.out, identity, {
@@ -109,4 +116,4 @@ def show_evaluation(before: dict, after: dict) -> None:
     Console().print(table)
 
 
-cllm_command = command(cllm, Flags(CllmRun), Flags(CllmConfig))
+cllm_command = command(cllm, Flags(CllmRun), Flags(CllmConfig), Flags(ScaleOut))

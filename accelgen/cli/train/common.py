@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import console, set_threads
 from accelgen.cli.flags import REQUIRED, flag
-from accelgen.train.loop import is_main_process, main_process_first
+from accelgen.train.loop import is_main_process, main_process_first, training_device
 
 TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
                        "What is trained learns the target as loaded: use it with the target in the same format.")
@@ -123,7 +123,8 @@ def hidden_states_for(model: str, dataset: str, layers: str | None, windows: int
 
 def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int, windows: int, held_out: int,
                       threads: int | None, weights: str | None = None):
-    """(model, tokenizer, windows + held_out packed windows of the dataset, the held-out ones first)."""
+    """(model on this process's training device, tokenizer, windows + held_out packed windows of the dataset, the
+    held-out ones first)."""
     from accelgen.cli.datastore import dataset_texts
     from accelgen.models import load_model
     from accelgen.train.layerskip import packed_windows
@@ -135,7 +136,7 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     if dataset.startswith("regenerated:"):
         note_regenerated_by(dataset.removeprefix("regenerated:"), model)
     with console.status(f"loading {model}{f' ({weights})' if weights else ''} …"):
-        target_model, tokenizer = load_model(model, dtype=dtype, weights=weights)
+        target_model, tokenizer = load_model(model, dtype=dtype, weights=weights, device=str(training_device()))
     with console.status("tokenizing …"):
         data = packed_windows(tokenizer, texts, seq_len, windows + held_out)
     if len(data) <= held_out:
@@ -246,7 +247,7 @@ def trained_head(run: FeaturesRun, data: FeatureWindows, config, train: Callable
     return head, times
 
 
-def save_evaluation(run: FeaturesRun, config, times: dict, evaluation: dict) -> None:
+def save_evaluation(run: WindowsRun, config, times: dict, evaluation: dict) -> None:
     """--out/evaluation.json: the held-out evaluation, with the config and the training's times."""
     write_json_atomically(Path(run.out) / "evaluation.json", {
         "held_out_windows": run.held_out, "config": asdict(config), "training_seconds": times["seconds"],
@@ -260,8 +261,8 @@ def target_and_trainable_draft(model: str, draft: str, dtype: str | None, thread
 
     set_threads(threads)
     with console.status(f"loading {model} and {draft} …"):
-        target_model, tokenizer = load_model(model, dtype=dtype)
-        draft_model, draft_tokenizer = load_model(draft)
+        target_model, tokenizer = load_model(model, dtype=dtype, device=str(training_device()))
+        draft_model, draft_tokenizer = load_model(draft, device=str(training_device()))
     saved_dtype = draft_model.dtype  # the trained draft is saved as the original was
     draft_model.float()  # it trains in place: float32 keeps small updates
     return target_model, tokenizer, draft_model, draft_tokenizer, saved_dtype

@@ -10,6 +10,7 @@ from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import WindowsRun, hidden_states_for, out_flag, progress_bar
+from accelgen.train.loop import ScaleOut, is_main_process
 
 
 @dataclass
@@ -23,7 +24,7 @@ class ConsistentEERun(WindowsRun):
     learning_rate: float = flag(1e-2)
 
 
-def consistent_ee(run: ConsistentEERun) -> None:
+def consistent_ee(run: ConsistentEERun, scale: ScaleOut) -> None:
     """ConsistentEE: an exit policy trained with policy gradient, rewarded by accuracy or depth by token hardness."""
     from accelgen.heads.exit_heads import ExitHeads
     from accelgen.train.consistent_ee import evaluate_exit_policy, train_exit_policy
@@ -40,7 +41,9 @@ def consistent_ee(run: ConsistentEERun) -> None:
                                        batch_size=run.batch_size, learning_rate=run.learning_rate,
                                        speed_weight=run.speed_weight,
                                        progress=lambda row: show(row, "reward {reward:.3f}, depth {mean_depth:.0%}, "
-                                                                      "agrees {agreement:.0%}"))
+                                                                      "agrees {agreement:.0%}"), scale=scale)
+        if not is_main_process():
+            return  # the first process evaluates and saves
         policy.base_model = run.model
         policy.save(run.out)
         evaluation = evaluate_exit_policy(target_model, policy, unseen)
@@ -51,4 +54,4 @@ def consistent_ee(run: ConsistentEERun) -> None:
     console.print(f"exit policy for layers {chosen} → {run.out}; use: --method consistent-ee -o heads={run.out}")
 
 
-consistent_ee_command = command(consistent_ee, Flags(ConsistentEERun))
+consistent_ee_command = command(consistent_ee, Flags(ConsistentEERun), Flags(ScaleOut))

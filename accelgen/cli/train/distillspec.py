@@ -14,6 +14,7 @@ from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import REQUIRED, Flags, command, flag
 from accelgen.cli.train.common import (TARGET_HELP, draft_flag, model_flag, out_flag, progress_bar,
                                        target_and_trainable_draft, threads_flag)
+from accelgen.train.loop import ScaleOut, is_main_process
 
 
 @dataclass
@@ -38,7 +39,7 @@ class DistillSpecRun:
     threads: Optional[int] = threads_flag()
 
 
-def distillspec(run: DistillSpecRun) -> None:
+def distillspec(run: DistillSpecRun, scale: ScaleOut) -> None:
     """DistillSpec: distill the draft toward the target on the draft's own generations; α before and after."""
     from accelgen.drafters.draft_model import check_vocabularies
     from accelgen.train.distill import (acceptance, check_divergence, distill, distillation_prompts, distilled_for,
@@ -62,7 +63,10 @@ def distillspec(run: DistillSpecRun) -> None:
             result = distill(target_model, draft_model, tokenizer, training, steps=run.steps, batch_size=run.batch_size,
                              max_new_tokens=run.max_new_tokens, divergence_name=run.divergence,
                              learning_rate=run.learning_rate, train_layers=run.train_layers, seed=run.seed,
-                             progress=lambda row: show(row, "loss {loss:.4f}, {tokens_per_second:.0f} tokens/s"))
+                             progress=lambda row: show(row, "loss {loss:.4f}, {tokens_per_second:.0f} tokens/s"),
+                             scale=scale)
+        if not is_main_process():
+            return  # the first process measures α after and saves
         with console.status("α after …"):
             after = measured_acceptance()
         save_distilled(draft_model.to(saved_dtype), draft_tokenizer, run.out, {
@@ -71,12 +75,12 @@ def distillspec(run: DistillSpecRun) -> None:
             "max_new_tokens": run.max_new_tokens, "learning_rate": run.learning_rate,
             "train_layers": run.train_layers, "seed": run.seed, "training_prompts": len(training),
             "held_out_prompts": len(held), "taught_tokens": result["taught_tokens"], "losses": result["losses"],
-            "training_seconds": result["seconds"], "wall_seconds": time.perf_counter() - started,
-            "gamma": run.gamma, "before": before, "after": after})
+            "training_seconds": result["seconds"], "processes": result["processes"],
+            "wall_seconds": time.perf_counter() - started, "gamma": run.gamma, "before": before, "after": after})
     Console().print(f"α on {len(held)} held-out prompts: {before['acceptance_rate']:.1%} → {after['acceptance_rate']:.1%}"
                     f" (τ {before['mean_accepted_tokens']:.2f} → {after['mean_accepted_tokens']:.2f}), "
                     f"trained {run.steps} steps in {result['seconds']:.0f}s")
     console.print(f"distilled draft → {run.out}; use: --method distillspec --draft {run.out}")
 
 
-distillspec_command = command(distillspec, Flags(DistillSpecRun))
+distillspec_command = command(distillspec, Flags(DistillSpecRun), Flags(ScaleOut))

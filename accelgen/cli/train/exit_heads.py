@@ -13,6 +13,7 @@ from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import WindowsRun, hidden_states_for, out_flag, progress_bar
+from accelgen.train.loop import ScaleOut, is_main_process
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ExitHeadsRun(WindowsRun):
     learning_rate: float = flag(1e-3)
 
 
-def exit_heads(run: ExitHeadsRun) -> None:
+def exit_heads(run: ExitHeadsRun, scale: ScaleOut) -> None:
     """Exit adapters (matched to the last layer) and CALM's early-exit classifiers, with the base model frozen."""
     from rich.table import Table
 
@@ -37,7 +38,9 @@ def exit_heads(run: ExitHeadsRun) -> None:
         with progress_bar(run.steps) as show:
             heads = train_exit_heads(target_model, hidden, chosen, rank=run.rank, steps=run.steps,
                                      batch_size=run.batch_size, learning_rate=run.learning_rate,
-                                     progress=lambda row: show(row, "loss {loss:.3f}"))
+                                     progress=lambda row: show(row, "loss {loss:.3f}"), scale=scale)
+        if not is_main_process():
+            return  # the first process evaluates and saves
         heads.base_model = run.model
         heads.save(run.out)
         evaluation = evaluate_exit_heads(target_model, heads, unseen)
@@ -51,4 +54,4 @@ def exit_heads(run: ExitHeadsRun) -> None:
                   "[-o measure=classifier]")
 
 
-exit_heads_command = command(exit_heads, Flags(ExitHeadsRun))
+exit_heads_command = command(exit_heads, Flags(ExitHeadsRun), Flags(ScaleOut))

@@ -13,6 +13,7 @@ from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import model_and_windows, model_flag, out_flag, progress_bar, threads_flag
 from accelgen.train.layerskip import LayerSkipConfig
+from accelgen.train.loop import ScaleOut, is_main_process
 
 
 @dataclass
@@ -24,7 +25,7 @@ class LayerSkipRun:
     threads: Optional[int] = threads_flag()
 
 
-def layerskip(run: LayerSkipRun, config: LayerSkipConfig) -> None:
+def layerskip(run: LayerSkipRun, config: LayerSkipConfig, scale: ScaleOut) -> None:
     """LayerSkip: layer dropout rising with depth + an early-exit loss; exit accuracy per layer before and after."""
     from rich.table import Table
 
@@ -35,11 +36,15 @@ def layerskip(run: LayerSkipRun, config: LayerSkipConfig) -> None:
                                                              config.steps * config.batch_size, run.held_out,
                                                              run.threads)
         held, training = windows[:run.held_out], windows[run.held_out:]
-        with console.status("exit accuracy before training …"):
-            before = exit_accuracy(target_model, held)
+        main = is_main_process()  # the first process evaluates and writes the results
+        if main:
+            with console.status("exit accuracy before training …"):
+                before = exit_accuracy(target_model, held)
         with progress_bar(config.steps) as show:
-            result = train_layerskip(target_model, tokenizer, training, config, run.out,
+            result = train_layerskip(target_model, tokenizer, training, config, run.out, scale=scale,
                                      progress=lambda row: show(row, "loss {loss:.3f}, {tokens_per_second:.0f} tokens/s"))
+        if not main:
+            return
         after = exit_accuracy(target_model, held)
     table = Table("layer", "next token (before)", "next token (after)", "agrees with last (before)",
                   "agrees with last (after)")
@@ -78,4 +83,5 @@ def plot_exit_accuracy(before: list[dict], after: list[dict], path: Path) -> Non
 
 # the CLI's defaults, where they differ from the library's: shorter windows, more often checkpointed
 layerskip_command = command(layerskip, Flags(LayerSkipRun),
-                            Flags(LayerSkipConfig, defaults={"seq_len": 128, "rotation": 8, "checkpoint_every": 25}))
+                            Flags(LayerSkipConfig, defaults={"seq_len": 128, "rotation": 8, "checkpoint_every": 25}),
+                            Flags(ScaleOut))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command, flag
-from accelgen.cli.train.common import WindowsRun, hidden_states_for, out_flag, progress_bar
+from accelgen.cli.train.common import WindowsRun, hidden_states_for, out_flag, progress_bar, save_evaluation
+from accelgen.train.loop import ScaleOut, is_main_process
 
 
 @dataclass
@@ -23,7 +23,7 @@ class MpeeRun(WindowsRun):
     checkpoint_every: int = flag(50, "Steps between checkpoints.")
 
 
-def mpee(run: MpeeRun) -> None:
+def mpee(run: MpeeRun, scale: ScaleOut) -> None:
     """MPEE's exit classifiers, each reading the exits' below, trained by weighted self-distillation."""
     from rich.table import Table
 
@@ -36,7 +36,9 @@ def mpee(run: MpeeRun) -> None:
                                                                  run.held_out, run.seq_len, run.threads)
         with progress_bar(config.steps) as show:
             heads, times = train_mpee(target_model, hidden, chosen, config, out_dir=run.out,
-                                      progress=lambda row: show(row, "loss {loss:.3f}"))
+                                      progress=lambda row: show(row, "loss {loss:.3f}"), scale=scale)
+        if not is_main_process():
+            return  # the first process evaluates and saves
         heads.base_model = run.model
         heads.save(run.out)
         evaluation = evaluate_mpee(target_model, heads, unseen)
@@ -49,11 +51,9 @@ def mpee(run: MpeeRun) -> None:
     for row in evaluation["thresholds"]:
         table.add_row(f"{row['threshold']:g}", f"{row['mean_layers']:.1f}", f"{row['agreement']:.1%}")
     console.print(table)
-    write_json_atomically(Path(run.out) / "evaluation.json", {
-        "held_out_windows": run.held_out, "config": asdict(config), "training_seconds": times["seconds"],
-        "resumed_at": times["resumed_at"], **evaluation})
+    save_evaluation(run, config, times, evaluation)
     console.print(f"MPEE heads for exits {chosen} → {run.out} (trained in {times['seconds']:.0f} s); use: "
                   f"--method mpee -o heads={run.out} [-o threshold=0.9] [-o keep_ratio=0.5]")
 
 
-mpee_command = command(mpee, Flags(MpeeRun))
+mpee_command = command(mpee, Flags(MpeeRun), Flags(ScaleOut))

@@ -11,6 +11,7 @@ from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import FrozenTargetRun, model_and_windows, out_flag, progress_bar
+from accelgen.train.loop import ScaleOut, is_main_process
 from accelgen.train.pass_embeddings import PassConfig
 
 
@@ -20,7 +21,7 @@ class PassRun(FrozenTargetRun):
     windows: int = flag(128, "Windows of --seq-len tokens to train on.")
 
 
-def pass_embeddings(run: PassRun, config: PassConfig) -> None:
+def pass_embeddings(run: PassRun, config: PassConfig, scale: ScaleOut) -> None:
     """PaSS look-ahead embeddings: the frozen target drafts k tokens for itself; per-slot top-1 held out."""
     from accelgen.train.pass_embeddings import evaluate_pass, train_pass
 
@@ -31,8 +32,11 @@ def pass_embeddings(run: PassRun, config: PassConfig) -> None:
         started = time.perf_counter()
         with progress_bar(config.steps) as show:
             embeddings = train_pass(target_model, data[held_out:], config,
-                                    progress=lambda row: show(row, "loss {loss:.3f}, {tokens_per_second:.0f} slots/s"))
+                                    progress=lambda row: show(row, "loss {loss:.3f}, {tokens_per_second:.0f} slots/s"),
+                                    scale=scale)
         seconds = time.perf_counter() - started
+        if not is_main_process():
+            return  # the first process saves and evaluates
         embeddings.base_model = run.model
         embeddings.save(out)
         evaluation = evaluate_pass(target_model, embeddings, data[:held_out], cuts=config.cuts)
@@ -44,4 +48,4 @@ def pass_embeddings(run: PassRun, config: PassConfig) -> None:
     console.print(f"look-ahead embeddings → {out}; use: --method pass --head {out}")
 
 
-pass_command = command(pass_embeddings, Flags(PassRun), Flags(PassConfig))
+pass_command = command(pass_embeddings, Flags(PassRun), Flags(PassConfig), Flags(ScaleOut))

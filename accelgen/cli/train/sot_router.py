@@ -14,6 +14,7 @@ from accelgen.cli.common import FILE_ERRORS, console, load_with_progress, report
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import model_flag, out_flag, progress_bar, threads_flag
 from accelgen.skeleton.router import RouterConfig
+from accelgen.train.loop import ScaleOut, is_main_process, main_process_first
 
 
 @dataclass
@@ -54,7 +55,7 @@ def labelled(run: SotRouterRun, questions: list[str]) -> list[int]:
                              progress=lambda done: show({"step": done}, ""))
 
 
-def sot_router(run: SotRouterRun, config: RouterConfig) -> None:
+def sot_router(run: SotRouterRun, config: RouterConfig, scale: ScaleOut) -> None:
     """SoT-R: label questions with a larger model's answer to the paper's router prompt, then fit a router on
     the model's own features of them; held-out accuracy beside always answering the majority label."""
     import torch
@@ -66,17 +67,23 @@ def sot_router(run: SotRouterRun, config: RouterConfig) -> None:
     with reported_errors(FILE_ERRORS):
         questions, sources = router_questions(run)
         started = time.perf_counter()
-        labels = torch.tensor(labelled(run, questions))
+        with main_process_first():  # the first labels and caches them, the others read the cache
+            labels = torch.tensor(labelled(run, questions))
         labelling = time.perf_counter() - started
         model, tokenizer = load_with_progress(run.model, None, run.weights)
         with progress_bar(len(questions), f"features by {run.model}") as show:
             features = question_features(model, tokenizer, questions, lambda done: show({"step": done}, ""))
         training, held = held_out_split(len(questions), config.held_out, config.seed)
         started = time.perf_counter()
-        router = SkeletonRouter.for_model(model, run.model, config.threshold)
+        with torch.random.fork_rng():  # the same untrained router on every process
+            torch.manual_seed(config.seed)
+            router = SkeletonRouter.for_model(model, run.model, config.threshold)
         with progress_bar(config.steps) as show:
-            train_router(router, features[training], labels[training], config, lambda row: show(row, "loss {loss:.3f}"))
+            train_router(router, features[training], labels[training], config,
+                         lambda row: show(row, "loss {logistic_loss:.3f}"), scale=scale)
         training_seconds = time.perf_counter() - started
+        if not is_main_process():
+            return  # the first process evaluates and saves
         router.save(run.out)
         evaluation = {"held_out": router_accuracy(router, features[held], labels[held]),
                       "training": router_accuracy(router, features[training], labels[training]),
@@ -91,4 +98,4 @@ def sot_router(run: SotRouterRun, config: RouterConfig) -> None:
     console.print(f"router → {run.out}; use: accelgen sot --model {run.model} --router {run.out} \"...\"")
 
 
-sot_router_command = command(sot_router, Flags(SotRouterRun), Flags(RouterConfig))
+sot_router_command = command(sot_router, Flags(SotRouterRun), Flags(RouterConfig), Flags(ScaleOut))

@@ -17,6 +17,7 @@ from accelgen.cli.train.common import (
     progress_bar,
     threads_flag,
 )
+from accelgen.train.loop import ScaleOut, is_main_process
 from accelgen.train.speed import SpeedModelConfig
 
 REPORT_FILE = "speed_model.json"
@@ -31,7 +32,7 @@ class SpeedModelRun:
     threads: Optional[int] = threads_flag()
 
 
-def speed_model(run: SpeedModelRun, config: SpeedModelConfig) -> None:
+def speed_model(run: SpeedModelRun, config: SpeedModelConfig, scale: ScaleOut) -> None:
     """Train a shared-cycle model from scratch; held-out perplexity and first-repeat exit agreement at the end."""
     from accelgen.cli.datastore import dataset_texts, load_tokenizer
     from accelgen.models import shared_cycle
@@ -49,8 +50,10 @@ def speed_model(run: SpeedModelRun, config: SpeedModelConfig) -> None:
         held, training = windows[: run.held_out], windows[run.held_out :]
         model = new_model(len(tokenizer), config)
         with progress_bar(config.steps) as show:
-            result = train_speed_model(model, training, config, run.out, progress=lambda row: show(
-                row, "loss {loss:.3f}, exit loss {exit_loss:.3f}, {tokens_per_second:.0f} tokens/s"))
+            result = train_speed_model(model, training, config, run.out, scale=scale, progress=lambda row: show(
+                row, "loss {final_loss:.3f}, exit loss {exit_loss:.3f}, {tokens_per_second:.0f} tokens/s"))
+        if not is_main_process():
+            return  # the first process evaluates and saves
         with console.status("held-out metrics …"):
             metrics = held_out_metrics(model, held)
         shared_cycle.save(model, tokenizer, run.out)
@@ -64,4 +67,4 @@ def speed_model(run: SpeedModelRun, config: SpeedModelConfig) -> None:
                   f"{metrics['exit_agrees_with_last']:.1%}; use --model {run.out} --method speed")
 
 
-speed_model_command = command(speed_model, Flags(SpeedModelRun), Flags(SpeedModelConfig))
+speed_model_command = command(speed_model, Flags(SpeedModelRun), Flags(SpeedModelConfig), Flags(ScaleOut))
