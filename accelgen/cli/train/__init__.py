@@ -14,6 +14,7 @@ flags generated from its dataclasses (accelgen/cli/flags.py):
     sot-router     Skeleton-of-Thought's router on the model's features of a question (skeleton/router.py)
     cllm           consistency fine-tuning on the model's own Jacobi trajectories (train/cllm.py)
     online         stream requests through `online` and watch the draft's acceptance rise (train/online.py)
+    nar            a non-autoregressive model (or the AR student) on the code-summary task (accelgen/nar/)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from accelgen.cli.train import mpee
 from accelgen.cli.train import bita, space  # (mask tokens: train/mask_tokens.py)
 from accelgen.cli.train import (cllm, consistent_ee, distillspec, eagle, exit_heads, layerskip, medusa, online,
                                  pass_embeddings, sot_router)
+from accelgen.cli.train import nar as nar_trainer
 from accelgen.cli.train import speed as speed_trainer
 
 train_app = typer.Typer(no_args_is_help=True, help="Train what some methods need, on this CPU.")
@@ -42,3 +44,4 @@ train_app.command("online")(online.online_command)
 train_app.command("cllm")(cllm.cllm_command)
 train_app.command("sot-router")(sot_router.sot_router_command)
 train_app.command("speed-model")(speed_trainer.speed_model_command)
+train_app.command("nar")(nar_trainer.nar_command)

@@ -1,0 +1,234 @@
+"""`accelgen nar ...`: non-autoregressive models on the code-summary task (accelgen/nar/).
+
+    methods   the methods, their papers and what decoding costs
+    data      mine Python functions with one-line docstrings, split by package, build the vocabulary
+    distill   the AR teacher's summaries of them (sequence-level distillation; resumable)
+    generate  summarise a function with a trained model
+    bench     quality and speed of trained models side by side, against the AR student
+
+`accelgen train nar --method M --task DIR --out DIR` trains a model (accelgen/cli/train/nar.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from accelgen.cli.common import FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_OPTION, console, reported_errors, \
+    set_threads
+
+nar_app = typer.Typer(no_args_is_help=True, help="Non-autoregressive models: code-summary data, generation, benchmark.")
+
+
+def parse_options(function, pairs: list[str], what: str) -> dict:
+    """NAME=VALUE pairs as keyword arguments of function, each value converted to the type of the parameter's
+    default (int, float, bool or str); a ValueError naming an unknown name or a value of the wrong type."""
+    parameters = inspect.signature(function).parameters
+    options = {}
+    for pair in pairs:
+        name, equals, text = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals or name not in parameters or name in ("self", "config", "src_ids", "src_mask"):
+            known = [each for each in parameters if each not in ("self", "config", "src_ids", "src_mask")]
+            raise ValueError(f"-o {pair!r}: {what} takes {', '.join(known) or 'no options'} (as NAME=VALUE)")
+        default = parameters[name].default
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = text.lower() in ("true", "1")
+            elif isinstance(default, int):
+                value = int(text)
+            elif isinstance(default, float) or default is None and text.replace(".", "", 1).isdigit():
+                value = float(text)
+            else:
+                value = text
+        except ValueError:
+            raise ValueError(f"-o {pair!r}: {name} must be a {type(default).__name__}") from None
+        options[name] = value
+    return options
+
+
+@nar_app.command("methods")
+def methods():
+    """The NAR methods: name, paper, and what decoding one output costs."""
+    from rich.table import Table
+
+    from accelgen.nar.methods import METHODS
+
+    table = Table("method", "paper", "decoding")
+    for method in METHODS.values():
+        table.add_row(method.name, method.paper, method.decoding)
+    console.print(table)
+
+
+@nar_app.command("data")
+def data(
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the task (mined once; the mined corpus is cached there)."),
+    vocab_size: int = typer.Option(8000, "--vocab-size", min=6, help="Compact vocabulary: the most frequent pieces."),
+    held_out_fraction: float = typer.Option(0.1, "--held-out-fraction", help="Share of the examples in each of "
+                                            "the valid and test splits (whole packages)."),
+    max_source_chars: int = typer.Option(1500, "--max-source-chars", min=1, help="Longest function kept."),
+    roots: Optional[list[Path]] = typer.Option(None, "--root", help="Folders to mine (repeatable; default: the "
+                                               "standard library and site-packages)."),
+    workers: int = typer.Option(2, min=1, help="Processes parsing files."),
+):
+    """Mine (function, one-line docstring) pairs from installed Python files, split by package, into a task folder."""
+    from accelgen.models.loading import prepare_embedded
+    from accelgen.nar.task import build_task
+    from transformers import AutoTokenizer
+
+    with reported_errors(INPUT_ERRORS):
+        tokenizer = AutoTokenizer.from_pretrained(prepare_embedded("smollm2-135m"))
+        with console.status("mining functions with one-line docstrings (minutes, once) …"):
+            summary = build_task(out, tokenizer, roots, vocab_size, held_out_fraction, max_source_chars, workers)
+    console.print(f"task → {out}: {summary['examples']} examples from {summary['packages']} packages; next: "
+                  f"`accelgen nar distill --task {out}` and `accelgen train nar --task {out} ...`")
+
+
+@nar_app.command("distill")
+def distill(
+    task: Path = typer.Option(..., "--task", help="A folder made by `accelgen nar data`."),
+    teacher: str = typer.Option("qwen2.5-coder-0.5b", "--teacher", "-m", help=MODEL_HELP),
+    limit: Optional[int] = typer.Option(None, min=1, help="Summarise only the first LIMIT examples of each split."),
+    splits: list[str] = typer.Option(["train", "valid", "test"], "--split", help="Splits to summarise (repeatable)."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Prompts per batched forward."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", min=1),
+    weights: Optional[str] = WEIGHTS_OPTION,
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
+):
+    """The teacher's greedy one-line summaries (resumable shards under TASK/teacher/): the NAR models' targets."""
+    from accelgen.cli.train.common import progress_bar
+    from accelgen.costs import model_format
+    from accelgen.models import load_model
+    from accelgen.nar.task import SPLITS, distill_task, load_task
+    from accelgen.train.regenerate import RegenerateSettings
+
+    set_threads(threads)
+    with reported_errors(INPUT_ERRORS):
+        unknown = [split for split in splits if split not in SPLITS]
+        if unknown:
+            raise ValueError(f"--split {unknown[0]}: choose among {', '.join(SPLITS)}")
+        examples = {split: len(load_task(task).splits[split][:limit]) for split in splits}
+        with console.status(f"loading {teacher} …"):
+            model, tokenizer = load_model(teacher, weights=weights, threads=threads)
+        settings = RegenerateSettings(model=teacher, dataset="code-summary", weights=model_format(model),
+                                      max_new_tokens=max_new_tokens, batch_size=batch_size)
+    total = sum(examples.values())
+    with reported_errors(FILE_ERRORS), progress_bar(total, "teacher summaries") as show:
+        done_before = {split: 0 for split in splits}
+
+        def progress(split: str, row: dict) -> None:
+            step = sum(done_before.values()) + row["prompts_done"]
+            if row["prompts_done"] == row["prompts"]:
+                done_before[split] = row["prompts"]
+            show({**row, "step": min(step, total)}, "{tokens_per_second:.1f} tokens/s")
+
+        answered = distill_task(task, model, tokenizer, settings, splits, limit, progress)
+    console.print(f"teacher summaries ({teacher}, {settings.weights}): {answered} → {task}/teacher")
+
+
+@nar_app.command("generate")
+def generate(
+    source: str = typer.Argument(..., help="The function's source ('-': read it from standard input)."),
+    model_folder: Path = typer.Option(..., "--model", "-m", help="A folder written by `accelgen train nar`."),
+    option: list[str] = typer.Option([], "--option", "-o", help="Decoding option NAME=VALUE (e.g. iterations=4 "
+                                     "for mask-predict; see the method's generate)."),
+    as_json: bool = typer.Option(False, "--json", help="The summary, its token ids and the time as JSON."),
+):
+    """Summarise one Python function with a trained NAR model."""
+    import time
+
+    import torch
+
+    from accelgen.nar.methods import load_trained
+
+    with reported_errors(INPUT_ERRORS):
+        text = sys.stdin.read() if source == "-" else source
+        if not text.strip():
+            raise ValueError("the function's source is empty")
+        model, vocabulary = load_trained(model_folder)
+        options = parse_options(model.generate, option, f"{model.method}'s generate")
+        ids = vocabulary.encode(text)
+        if len(ids) > model.config.max_source_len:
+            raise ValueError(f"the function has {len(ids)} tokens but this model reads at most "
+                             f"{model.config.max_source_len}: shorten it or train with a larger --max-source-len")
+        src = torch.tensor([ids])
+        started = time.perf_counter()
+        with torch.no_grad():
+            output = model.generate(src, torch.ones_like(src, dtype=torch.bool), **options)[0]
+        seconds = time.perf_counter() - started
+    summary = vocabulary.decode(output)
+    if as_json:
+        print(json.dumps({"summary": summary, "token_ids": output, "method": model.method, "seconds": seconds}))
+    else:
+        print(summary)
+
+
+@nar_app.command("bench")
+def bench(
+    task: Path = typer.Option(..., "--task", help="A folder made by `accelgen nar data` (and distilled)."),
+    models: list[Path] = typer.Option(..., "--model", "-m", help="Trained model folders (repeatable); the one "
+                                      "whose method is ar is the baseline of the speedups."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for results.json, report.md and quality_speed.png."),
+    examples: int = typer.Option(500, min=1, help="Test examples scored for quality and throughput."),
+    latency_examples: int = typer.Option(50, "--latency-examples", min=1, help="Of those, timed one at a time."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Batch of the throughput measurement."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
+):
+    """BLEU/chrF against the teacher and the docstrings, decoder passes, latency at batch 1, throughput at batch 32,
+    and speedups over the AR student measured in the same run; with a quality-against-speed plot."""
+    from accelgen.atomic import write_json_atomically, write_text_atomically
+    from accelgen.hardware import describe
+    from accelgen.nar.bench import ModelRun, measure, plot_quality_speed, rows_of, summarise
+    from accelgen.nar.methods import load_trained
+    from accelgen.nar.task import load_task
+
+    set_threads(threads)
+    with reported_errors(INPUT_ERRORS):
+        loaded_task = load_task(task)
+        names, runs = set(), []
+        for folder in models:
+            model, vocabulary = load_trained(folder)
+            if vocabulary.tokenizer_ids != loaded_task.vocabulary.tokenizer_ids:
+                raise ValueError(f"{folder} was trained on another vocabulary than {task}'s")
+            name = model.method if model.method not in names else f"{model.method} ({folder.name})"
+            names.add(name)
+            runs.append(ModelRun(name, model, model.generate))
+        target = "teacher" if "test" in loaded_task.teacher else "docstring"
+        pairs = loaded_task.pairs("test", target, examples)
+        docstrings = [example.summary for example in loaded_task.splits["test"][:len(pairs)]]
+        teacher = [summary for _, summary in pairs] if target == "teacher" else None
+        rows = rows_of(pairs, loaded_task.vocabulary, min(run.model.config.max_source_len for run in runs))
+    measure(runs, rows, min(latency_examples, len(pairs)), batch_size, progress=lambda text: console.print(text))
+    results = summarise(runs, loaded_task.vocabulary.decode, teacher, docstrings,
+                        baseline=next((run.name for run in runs if run.model.method == "ar"), ""))
+    out.mkdir(parents=True, exist_ok=True)
+    machine = describe(threads)
+    write_json_atomically(out / "results.json", {"task": str(task), "target": target, "machine": machine,
+                                                 "batch_size": batch_size, "rows": results})
+    write_text_atomically(out / "report.md", report_table(results, target, machine, batch_size))
+    plot_quality_speed(results, out / "quality_speed.png", "bleu_teacher" if teacher else "bleu_docstring")
+    console.print(report_table(results, target, machine, batch_size))
+
+
+def report_table(rows: list[dict], target: str, machine: dict, batch_size: int) -> str:
+    """The results as Markdown: one row per model."""
+    reference = "teacher" if target == "teacher" else "docstring"
+    from accelgen.hardware import flags_text
+
+    lines = [f"CPU: {flags_text(machine)}; torch threads: {machine['torch_threads']}", "",
+             f"| model | BLEU ({reference}) | chrF ({reference}) | BLEU (docstring) | exact match | decoder passes | "
+             f"latency ms (batch 1) | speedup (batch 1) | examples/s (batch {batch_size}) | speedup (batch {batch_size}) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['model']} | {row.get(f'bleu_{reference}', 0):.1f} | {row.get(f'chrf_{reference}', 0):.1f} | "
+                     f"{row['bleu_docstring']:.1f} | {row.get('exact_match_teacher', float('nan')):.1f}% | "
+                     f"{row['passes_mean']:.1f} | {row['latency_ms_mean']:.1f} | {row.get('speedup_latency', 1):.2f}x | "
+                     f"{row['throughput_batch']:.1f} | {row.get('speedup_throughput', 1):.2f}x |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""Quality and speed of NAR models side by side on the code-summary task's test split.
+
+Per model: BLEU and chrF (sacrebleu) against the teacher's summaries and against the original docstrings, exact
+match with the teacher; sequential decoder passes per output; latency at batch 1 and throughput at batch 32; and
+speedups against the AR student measured in the same run. Latency is timed one example at a time with the models
+interleaved (example 1 through every model, then example 2, ...), so that a slow spell of a noisy machine falls on
+all of them alike; a speedup is the AR student's total time over the model's, on the same examples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from accelgen.nar.backbone import MethodModel
+from accelgen.nar.tokens import pad_sequences
+
+
+@dataclass
+class ModelRun:
+    name: str
+    model: MethodModel
+    generate: Callable[[torch.Tensor, torch.Tensor], list[list[int]]]  # (src (B, S), src_mask (B, S)) -> ids
+    outputs: list[list[int]] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # seconds per example, batch 1
+    passes: list[int] = field(default_factory=list)  # sequential decoder passes per example, batch 1
+    throughput: float = 0.0  # examples per second at batch_size
+
+
+@contextlib.contextmanager
+def counted_decoder_passes(model: nn.Module):
+    """Yields a one-item list holding how many times any Transformer decoder stack in model ran a forward: the
+    sequential passes decoding takes (the AR student's one per token, Mask-Predict's one per iteration, the latent
+    model's steps and the token pass of the Latent Transformer, ...)."""
+    count = [0]
+    hooks = [module.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+             for module in model.modules() if isinstance(module, nn.TransformerDecoder)]
+    try:
+        yield count
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def batches(rows: dict[str, torch.Tensor], size: int):
+    """(src (b, S'), src_mask (b, S')) of consecutive rows, each cut to the widest source it holds."""
+    for start in range(0, len(rows["src"]), size):
+        src, mask = rows["src"][start:start + size], rows["src_mask"][start:start + size]
+        width = max(int(mask.sum(dim=1).max()), 1)
+        yield src[:, :width], mask[:, :width]
+
+
+@torch.no_grad()
+def measure(runs: list[ModelRun], rows: dict[str, torch.Tensor], latency_examples: int, batch_size: int = 32,
+            progress: Callable[[str], None] | None = None) -> None:
+    """Fill each run's outputs (every row, at batch_size), throughput, and latency and passes (the first
+    latency_examples rows, one at a time, the runs interleaved)."""
+    for run in runs:
+        if progress:
+            progress(f"{run.name}: batch {batch_size}")
+        run.model.eval()
+        run.generate(*next(batches(rows, 1)))  # warm-up: first-call allocations are no model's cost
+        started = time.perf_counter()
+        run.outputs = [output for src, mask in batches(rows, batch_size) for output in run.generate(src, mask)]
+        run.throughput = len(run.outputs) / (time.perf_counter() - started)
+    for index, (src, mask) in enumerate(batches(rows, 1)):
+        if index >= latency_examples:
+            break
+        if progress:
+            progress(f"latency: example {index + 1}/{latency_examples}")
+        for run in runs:
+            with counted_decoder_passes(run.model) as count:
+                started = time.perf_counter()
+                run.generate(src, mask)
+                run.latencies.append(time.perf_counter() - started)
+            run.passes.append(count[0])
+
+
+def quality(texts: list[str], teacher: list[str] | None, docstrings: list[str]) -> dict:
+    """BLEU and chrF against the teacher's summaries (when given) and against the docstrings; exact match with
+    the teacher."""
+    import sacrebleu
+
+    scores = {"bleu_docstring": sacrebleu.corpus_bleu(texts, [docstrings]).score,
+              "chrf_docstring": sacrebleu.corpus_chrf(texts, [docstrings]).score}
+    if teacher is not None:
+        scores.update(bleu_teacher=sacrebleu.corpus_bleu(texts, [teacher]).score,
+                      chrf_teacher=sacrebleu.corpus_chrf(texts, [teacher]).score,
+                      exact_match_teacher=100 * sum(a.strip() == b.strip() for a, b in zip(texts, teacher)) / len(texts))
+    return scores
+
+
+def summarise(runs: list[ModelRun], decode: Callable[[list[int]], str], teacher: list[str] | None,
+              docstrings: list[str], baseline: str = "ar") -> list[dict]:
+    """One row per run: quality, passes, latency, throughput, and speedups against the run named baseline."""
+    base = next((run for run in runs if run.name == baseline), None)
+    rows = []
+    for run in runs:
+        texts = [decode(output) for output in run.outputs]
+        row = {"model": run.name, "method": run.model.method, **quality(texts, teacher, docstrings),
+               "passes_mean": sum(run.passes) / max(len(run.passes), 1),
+               "latency_ms_mean": 1000 * sum(run.latencies) / max(len(run.latencies), 1),
+               "throughput_batch": run.throughput, "examples": len(texts), "latency_examples": len(run.latencies)}
+        if base is not None:
+            row["speedup_latency"] = sum(base.latencies) / sum(run.latencies)
+            row["speedup_throughput"] = run.throughput / base.throughput
+        rows.append(row)
+    return rows
+
+
+def rows_of(texts_and_summaries: list[tuple[str, str]], vocabulary, max_source_len: int):
+    """The sources encoded for the models (the summaries are only references here)."""
+    sources = [vocabulary.encode(source, max_source_len) or [vocabulary.encode(" ")[0]]
+               for source, _ in texts_and_summaries]
+    src, src_mask = pad_sequences(sources)
+    return {"src": src, "src_mask": src_mask}
+
+
+def plot_quality_speed(rows: list[dict], path, metric: str = "bleu_teacher") -> None:
+    """Quality (metric) against the speedup over the AR student at batch 1, one point per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 5))
+    for row in rows:
+        axes.scatter(row.get("speedup_latency", 1.0), row[metric])
+        axes.annotate(row["model"], (row.get("speedup_latency", 1.0), row[metric]), textcoords="offset points",
+                      xytext=(4, 4), fontsize=8)
+    axes.axvline(1.0, color="grey", linewidth=0.8)
+    axes.set_xlabel("speedup over the AR student (batch 1 latency)")
+    axes.set_ylabel(metric.replace("_", " "))
+    axes.set_title("NAR models on code summaries: quality against speed")
+    figure.tight_layout()
+    from accelgen.atomic import write_atomically
+
+    write_atomically(path, lambda partial: figure.savefig(partial, format="png", dpi=120))
+    plt.close(figure)
