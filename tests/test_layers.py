@@ -32,8 +32,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("methods", {"drafters", "exits"}),
     # the generation loop and the transformers drop-in over it
     ("loop", {"generate", "hf"}),
-    # what is built on generation: trainers, the benchmark, the server, export, tuning, advice, Skeleton-of-Thought
-    ("tools", {"train", "bench", "server", "export", "tune", "advice", "skeleton"}),
+    # what is built on generation: trainers, the benchmark, the server, export, tuning, advice, Skeleton-of-Thought,
+    # and the non-autoregressive models (their own networks, trained through the trainers' loop)
+    ("tools", {"train", "bench", "server", "export", "tune", "advice", "skeleton", "nar"}),
     # the interfaces: the command line and the package's public names (accelgen/__init__.py, imported as
     # `import accelgen`, which loads the loop and the models)
     ("interface", {"cli", "__init__", "__main__"}),

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from accelgen.nar.backbone import MethodModel
-from accelgen.nar.tokens import pad_sequences
+from accelgen.nar.tokens import UNK, pad_sequences
 
 
 @dataclass
@@ -26,6 +26,7 @@ class ModelRun:
     name: str
     model: MethodModel
     generate: Callable[[torch.Tensor, torch.Tensor], list[list[int]]]  # (src (B, S), src_mask (B, S)) -> ids
+    scorer: MethodModel | None = None  # the AR model that rescores candidates (noisy parallel decoding)
     outputs: list[list[int]] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)  # seconds per example, batch 1
     passes: list[int] = field(default_factory=list)  # sequential decoder passes per example, batch 1
@@ -47,6 +48,27 @@ def counted_decoder_passes(model: nn.Module):
             hook.remove()
 
 
+def noisy_parallel_runs(runs: list[ModelRun], samples: int) -> list[ModelRun]:
+    """A "+npd" run beside each run whose method has noisy parallel decoding (NAT and the methods built on it,
+    FlowSeq), its candidates rescored by the AR student's run in one batched pass; none without an AR run."""
+    from accelgen.nar import flowseq, nat
+
+    student = next((run.model for run in runs if run.model.method == "ar"), None)
+    if student is None:
+        return []
+    added = []
+    for run in runs:
+        decode = flowseq.noisy_parallel_decode if isinstance(run.model, flowseq.FlowSeqModel) else \
+            nat.noisy_parallel_decode if isinstance(run.model, nat.NATModel) else None
+        if decode is not None:
+            def generate(src, mask, model=run.model, decode=decode):
+                return decode(model, src, mask, student.sequence_log_probs, samples=samples,
+                              generator=torch.Generator().manual_seed(0)).sequences
+
+            added.append(ModelRun(f"{run.name}+npd", run.model, generate, scorer=student))
+    return added
+
+
 def batches(rows: dict[str, torch.Tensor], size: int):
     """(src (b, S'), src_mask (b, S')) of consecutive rows, each cut to the widest source it holds."""
     for start in range(0, len(rows["src"]), size):
@@ -63,7 +85,6 @@ def measure(runs: list[ModelRun], rows: dict[str, torch.Tensor], latency_example
     for run in runs:
         if progress:
             progress(f"{run.name}: batch {batch_size}")
-        run.model.eval()
         run.generate(*next(batches(rows, 1)))  # warm-up: first-call allocations are no model's cost
         started = time.perf_counter()
         run.outputs = [output for src, mask in batches(rows, batch_size) for output in run.generate(src, mask)]
@@ -74,7 +95,7 @@ def measure(runs: list[ModelRun], rows: dict[str, torch.Tensor], latency_example
         if progress:
             progress(f"latency: example {index + 1}/{latency_examples}")
         for run in runs:
-            with counted_decoder_passes(run.model) as count:
+            with counted_decoder_passes(nn.ModuleList([run.model] + ([run.scorer] if run.scorer else []))) as count:
                 started = time.perf_counter()
                 run.generate(src, mask)
                 run.latencies.append(time.perf_counter() - started)
@@ -91,7 +112,8 @@ def quality(texts: list[str], teacher: list[str] | None, docstrings: list[str]) 
     if teacher is not None:
         scores.update(bleu_teacher=sacrebleu.corpus_bleu(texts, [teacher]).score,
                       chrf_teacher=sacrebleu.corpus_chrf(texts, [teacher]).score,
-                      exact_match_teacher=100 * sum(a.strip() == b.strip() for a, b in zip(texts, teacher)) / len(texts))
+                      exact_match_teacher=100 * sum(text.strip() == summary.strip()
+                                                    for text, summary in zip(texts, teacher)) / len(texts))
     return scores
 
 
@@ -102,7 +124,8 @@ def summarise(runs: list[ModelRun], decode: Callable[[list[int]], str], teacher:
     rows = []
     for run in runs:
         texts = [decode(output) for output in run.outputs]
-        row = {"model": run.name, "method": run.model.method, **quality(texts, teacher, docstrings),
+        row = {"model": run.name, "method": run.model.method,
+               "rescored_by": run.scorer.method if run.scorer else None, **quality(texts, teacher, docstrings),
                "passes_mean": sum(run.passes) / max(len(run.passes), 1),
                "latency_ms_mean": 1000 * sum(run.latencies) / max(len(run.latencies), 1),
                "throughput_batch": run.throughput, "examples": len(texts), "latency_examples": len(run.latencies)}
@@ -113,10 +136,9 @@ def summarise(runs: list[ModelRun], decode: Callable[[list[int]], str], teacher:
     return rows
 
 
-def rows_of(texts_and_summaries: list[tuple[str, str]], vocabulary, max_source_len: int):
-    """The sources encoded for the models (the summaries are only references here)."""
-    sources = [vocabulary.encode(source, max_source_len) or [vocabulary.encode(" ")[0]]
-               for source, _ in texts_and_summaries]
+def rows_of(pairs: list[tuple[str, str]], vocabulary, max_source_len: int) -> dict[str, torch.Tensor]:
+    """The sources of (source, summary) pairs encoded for the models (the summaries are references only)."""
+    sources = [ids or [UNK] for ids in vocabulary.encode_all([source for source, _ in pairs], max_source_len)]
     src, src_mask = pad_sequences(sources)
     return {"src": src, "src_mask": src_mask}
 

@@ -15,6 +15,7 @@ model that writes all tokens at once. The original docstring stays as a second r
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from dataclasses import dataclass
@@ -29,8 +30,15 @@ from accelgen.nar.tokens import Vocabulary, encode_pairs
 TASK_FILE, TEACHER_FOLDER = "task.json", "teacher"
 SPLITS = ("train", "valid", "test")
 TARGETS = ("teacher", "docstring")
-SUMMARY_REQUEST = ("Write a one-line summary of what this Python function does, as the first line of its docstring "
-                   "would say it. Answer with that line only.\n\n```python\n{source}```")
+SUMMARY_REQUEST = ("Write the first line of the docstring of this Python function: one short sentence of at most "
+                   "12 words that starts with a verb and says what the function does. Reply with that sentence "
+                   "only.\n\n```python\n{source}```")
+# what a teacher's answers were asked with: part of their settings, so a changed request never resumes old answers
+REQUEST_NAME = "code-summary-" + hashlib.sha1(SUMMARY_REQUEST.encode()).hexdigest()[:8]
+# A small teacher often answers "The function `f` returns ..." however it is asked: the subject is cut, so that the
+# summary reads as a docstring's first line ("Returns ...").
+TEACHER_SUBJECT = re.compile(r"^(the|this)\s+(python\s+)?(`[\w.]+`\s+)?(function|method)(\s+`[\w.]+`)?\s+"
+                             r"(is\s+(designed|used)\s+to\s+)?", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -115,13 +123,17 @@ def summary_prompts(examples: list[Example], split: str):
 
 
 def teacher_line(answer: str) -> str:
-    """The summary in a teacher's answer: its first line with words, without quotes, backticks or a leading
-    'Summary:'. An answer without one gives '' (such an example is dropped when encoded)."""
+    """The summary in a teacher's answer: the first sentence of its first line with words, without quotes,
+    backticks, a leading 'Summary:' or a subject ("The function `f` returns x." -> "Returns x."). An answer
+    without one gives '' (such an example is dropped when encoded)."""
     for line in answer.splitlines():
+        if line.strip().startswith("```"):  # a code fence, not a summary
+            continue
         line = line.strip().strip("`\"'").strip()
         line = re.sub(r"^(#+\s*|[-*]\s+|(one-line )?summary:\s*)", "", line, flags=re.IGNORECASE).strip()
-        if re.search(r"[A-Za-z]", line) and not line.startswith("```"):
-            return line
+        if re.search(r"[A-Za-z]", line):
+            line = re.split(r"(?<=[.!?])\s+(?=[A-Z])", TEACHER_SUBJECT.sub("", line), maxsplit=1)[0]
+            return line[:1].upper() + line[1:]
     return ""
 
 

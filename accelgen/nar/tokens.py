@@ -51,8 +51,14 @@ class Vocabulary:
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
         """Compact ids of text's pieces (no bos or eos), the first max_length of them when given."""
-        pieces = self.tokenizer.encode(text, add_special_tokens=False)[:max_length]
-        return [self.compact_of.get(piece, UNK) for piece in pieces]
+        return self.encode_all([text], max_length)[0]
+
+    def encode_all(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
+        """encode() of each text, the tokenizer run over all of them at once (a fast tokenizer batches)."""
+        if not texts:
+            return []
+        pieces = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [[self.compact_of.get(piece, UNK) for piece in row[:max_length]] for row in pieces]
 
     def decode(self, ids: list[int]) -> str:
         """The text of ids up to the first eos; specials (and unknown pieces) decode to nothing."""
@@ -96,8 +102,9 @@ def encode_pairs(vocabulary: Vocabulary, pairs: list[tuple[str, str]], max_sourc
     max_target_len (no EOS: the methods that need one append it). Pairs with an empty side are dropped (no model
     can read or write nothing)."""
     sources, targets = [], []
-    for source, summary in pairs:
-        source_ids, target_ids = vocabulary.encode(source, max_source_len), vocabulary.encode(summary, max_target_len)
+    source_texts, summaries = [source for source, _ in pairs], [summary for _, summary in pairs]
+    for source_ids, target_ids in zip(vocabulary.encode_all(source_texts, max_source_len),
+                                      vocabulary.encode_all(summaries, max_target_len)):
         if source_ids and target_ids:
             sources.append(source_ids)
             targets.append(target_ids)

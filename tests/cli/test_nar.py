@@ -112,8 +112,10 @@ def test_the_benchmark_measures_every_model_against_the_ar_student(trained, task
     results = json.loads((out / "results.json").read_text())
     assert results["target"] == "docstring"  # no teacher summaries: the docstrings are the reference
     rows = {row["model"]: row for row in results["rows"]}
-    assert set(rows) == {"ar", "nat"} and rows["ar"]["speedup_latency"] == 1.0
+    assert set(rows) == {"ar", "nat", "nat+npd"} and rows["ar"]["speedup_latency"] == 1.0
     assert rows["nat"]["passes_mean"] == 1.0 and rows["ar"]["passes_mean"] >= 1.0
+    assert rows["nat+npd"]["passes_mean"] == 2.0  # all candidates in one pass, the AR student's rescoring in one
+    assert rows["nat+npd"]["rescored_by"] == "ar" and rows["nat"]["rescored_by"] is None
     assert rows["nat"]["latency_examples"] == 3 and rows["nat"]["examples"] == 5
     assert (out / "quality_speed.png").stat().st_size > 0 and "| nat |" in (out / "report.md").read_text()
 
@@ -127,7 +129,7 @@ def test_distillation_by_a_teacher_resumes_and_becomes_the_target(task, make_tin
     make_tiny_model("qwen2", seed=0).save_pretrained(teacher)
     AutoTokenizer.from_pretrained(task / "tokenizer").save_pretrained(teacher)
     arguments = ["nar", "distill", "--task", task, "--teacher", teacher, "--split", "test", "--limit", "2",
-                 "--max-new-tokens", "6"]
+                 "--max-new-tokens", "6", "--weights", "fp32"]
     result = invoke(*arguments)
     assert result.exit_code == 0, result.output
     manifest = json.loads((task / "teacher" / "test" / "manifest.json").read_text())

@@ -125,7 +125,8 @@ def test_the_split_shares_no_package_and_is_deterministic():
     assert split_by_package(examples, 0.2, 4) != (train, valid, test)
     with pytest.raises(ValueError, match="at least 3 packages"):
         split_by_package(examples[:1], 0.2)
-    giant = [Example("giant", f"g{index}.py", "f", f"def g{index}(): pass\n", "Do one big thing.") for index in range(200)]
+    giant = [Example("giant", f"g{index}.py", "f", f"def g{index}(): pass\n", "Do one big thing.")
+             for index in range(200)]
     for seed in range(5):  # wherever it falls in the order, the giant package would be most of a held-out split
         assert {example.package for example in split_by_package(examples + giant, 0.2, seed)[0]} >= {"giant"}
 
