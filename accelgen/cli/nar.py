@@ -115,12 +115,12 @@ def distill(
         unknown = [split for split in splits if split not in SPLITS]
         if unknown:
             raise ValueError(f"--split {unknown[0]}: choose among {', '.join(SPLITS)}")
-        examples = {split: len(load_task(task).splits[split][:limit]) for split in splits}
+        loaded = load_task(task)  # (also: a clear error for a folder that is no task)
+        total = sum(len(loaded.splits[split][:limit]) for split in splits)
         with console.status(f"loading {teacher} …"):
             model, tokenizer = load_model(teacher, weights=weights, threads=threads)
         settings = RegenerateSettings(model=teacher, dataset=REQUEST_NAME, weights=model_format(model),
                                       max_new_tokens=max_new_tokens, batch_size=batch_size)
-    total = sum(examples.values())
     with reported_errors(FILE_ERRORS), progress_bar(total, "teacher summaries") as show:
         done_before = {split: 0 for split in splits}
 
@@ -155,11 +155,7 @@ def generate(
             raise ValueError("the function's source is empty")
         model, vocabulary = load_trained(model_folder)
         options = parse_options(model.generate, option, f"{model.method}'s generate")
-        ids = vocabulary.encode(text)
-        if len(ids) > model.config.max_source_len:
-            raise ValueError(f"the function has {len(ids)} tokens but this model reads at most "
-                             f"{model.config.max_source_len}: shorten it or train with a larger --max-source-len")
-        src = torch.tensor([ids])
+        src = torch.tensor([vocabulary.encode(text)])  # too long for the encoder: it says so by name
         started = time.perf_counter()
         with torch.no_grad():
             output = model.generate(src, torch.ones_like(src, dtype=torch.bool), **options)[0]

@@ -8,6 +8,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelgen.atomic import save_pretrained_atomically
 from accelgen.nar.backbone import MethodModel, read_saved_config
 from accelgen.nar.tokens import Vocabulary
 
@@ -80,12 +81,8 @@ def save_trained(model: MethodModel, folder: Path, vocabulary) -> Path:
     """A trained model's folder: the model (config.json last), its vocabulary and the tokenizer the vocabulary
     spells with, so that `accelgen nar generate --model FOLDER` needs nothing else."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     vocabulary.save(folder / VOCAB_FILE)
-    if not (folder / TOKENIZER_FOLDER).is_dir():
-        staged = folder / f".{TOKENIZER_FOLDER}.partial"
-        vocabulary.tokenizer.save_pretrained(staged)
-        staged.rename(folder / TOKENIZER_FOLDER)
+    save_pretrained_atomically(folder / TOKENIZER_FOLDER, vocabulary.tokenizer)
     return model.save(folder)
 
 

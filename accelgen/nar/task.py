@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from accelgen.atomic import write_json_atomically
+from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.nar.methods import TOKENIZER_FOLDER, VOCAB_FILE
 from accelgen.nar.data import Example, cached_corpus, load_examples, save_examples, split_by_package
 from accelgen.nar.tokens import Vocabulary, encode_pairs
@@ -77,11 +76,7 @@ def build_task(folder: Path, tokenizer, roots: list[Path] | None = None, vocab_s
         save_examples(folder / f"{split}.jsonl", split_examples)
     texts = [text for example in splits["train"] for text in (example.source, example.summary)]
     Vocabulary.from_texts(tokenizer, texts, vocab_size).save(folder / VOCAB_FILE)
-    staged = folder / f".{TOKENIZER_FOLDER}.partial"  # the tokenizer's files appear whole or not at all
-    shutil.rmtree(staged, ignore_errors=True)
-    tokenizer.save_pretrained(staged)
-    shutil.rmtree(folder / TOKENIZER_FOLDER, ignore_errors=True)
-    staged.rename(folder / TOKENIZER_FOLDER)
+    save_pretrained_atomically(folder / TOKENIZER_FOLDER, tokenizer)
     summary = {"examples": {split: len(split_examples) for split, split_examples in splits.items()},
                "packages": {split: len({example.package for example in split_examples})
                             for split, split_examples in splits.items()},
