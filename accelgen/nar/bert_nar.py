@@ -57,7 +57,7 @@ from accelgen.atomic import load_tensors
 from accelgen.nar.ar import until_eos
 from accelgen.nar.backbone import (WEIGHTS_FILE, BackboneConfig, MethodModel, masked_cross_entropy,
                                    read_saved_config)
-from accelgen.nar.tokens import EOS, MASK, NEVER_GENERATED, PAD
+from accelgen.nar.tokens import EOS, MASK, NEVER_GENERATED, PAD, length_mask
 
 # a ratio fitted as (L + 1) / S times S must give L + 1 slots, not L + 2 from the rounding of the product
 ROUNDING_SLACK = 1e-9
@@ -221,7 +221,7 @@ def ratio_first_decode(model: BertNARModel, src_ids: torch.Tensor, src_mask: tor
     """src_ids (B, S), src_mask (B, S) -> each source's output: ceil(α·S) MASK slots, one decoder pass, each slot's
     argmax (never a special but EOS), everything before the first EOS (all slots when there is none)."""
     slots = model.slots(src_mask)
-    slot_mask = torch.arange(int(slots.max()), device=src_ids.device).unsqueeze(0) < slots.unsqueeze(1)
+    slot_mask = length_mask(slots)
     logits = model.slot_logits(model.backbone.encode(src_ids, src_mask), src_mask, slot_mask)
     logits[..., list(NEVER_GENERATED)] = float("-inf")
     tokens = logits.argmax(-1).masked_fill(~slot_mask, EOS)  # a shorter row ends at its last slot

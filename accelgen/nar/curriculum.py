@@ -59,7 +59,7 @@ from torch import nn
 from accelgen.nar.backbone import BackboneConfig, MethodModel, causal_mask, length_loss, masked_cross_entropy
 from accelgen.nar.mask_predict import lowest_confidence_positions
 from accelgen.nar.nat import copy_positions, uniform_fertilities
-from accelgen.nar.tokens import BOS, EOS, NEVER_GENERATED, PAD, append_eos, shift_right
+from accelgen.nar.tokens import BOS, EOS, NEVER_GENERATED, PAD, append_eos, length_mask, shift_right
 
 PACINGS = ("linear", "logarithmic")
 LOG_STAGES = 200  # I of the logarithmic pace, λ = log(i) / log(I): the authors' code's total_steps
@@ -260,7 +260,7 @@ def parallel_decode(model: CurriculumModel, src_ids: torch.Tensor, src_mask: tor
     memory = backbone.encode(src_ids, src_mask)
     lengths = backbone.length_logits(memory, src_mask).argmax(dim=-1) + 1  # (B,) target tokens
     width = int(lengths.max()) + 1
-    target_mask = torch.arange(width, device=src_ids.device) < (lengths + 1).unsqueeze(1)  # (B, width)
+    target_mask = length_mask(lengths + 1, width)  # (B, width)
     inputs = model.nar_decoder_inputs(src_ids, src_mask, target_mask)
     logits = backbone.logits(backbone.decode(inputs, target_mask, memory, src_mask))
     logits[..., list(NEVER_GENERATED) + [EOS]] = float("-inf")

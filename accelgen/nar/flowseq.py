@@ -54,7 +54,7 @@ from torch import nn
 
 from accelgen.nar.backbone import BackboneConfig, MethodModel, length_loss
 from accelgen.nar.nat import NoisyParallelDecoding, Scorer
-from accelgen.nar.tokens import EOS, NEVER_GENERATED
+from accelgen.nar.tokens import fixed_length_tokens, length_mask
 
 # --- densities, lengths and tokens (pure functions) --------------------------------------------------------------
 
@@ -80,20 +80,6 @@ def length_candidates(best_lengths: torch.Tensor, window: int, max_length: int) 
     offsets = [0] + [sign * step for step in range(1, window + 1) for sign in (-1, 1)]
     shifted = best_lengths.unsqueeze(1) + torch.tensor(offsets, device=best_lengths.device)
     return shifted.clamp(1, max_length)
-
-
-def most_likely_tokens(logits: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """logits (B, T, V), target_mask (B, T) -> tokens (B, T): each real position's most likely token, never a
-    special nor EOS (the length is decided); 0 (PAD) at padding."""
-    logits = logits.clone()
-    logits[..., list(NEVER_GENERATED) + [EOS]] = float("-inf")
-    return logits.argmax(-1) * target_mask
-
-
-def lengths_mask(lengths: torch.Tensor) -> torch.Tensor:
-    """lengths (N,) -> target_mask (N, max length) bool, True on each row's first lengths[i] positions."""
-    width = max(int(lengths.max()), 1)
-    return torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)
 
 
 # --- the conditional flow ------------------------------------------------------------------------------------------
@@ -372,14 +358,14 @@ class FlowSeqModel(MethodModel):
         """One flow pass and one decoder pass: noise (N, T, latent_dim), target_mask (N, T), memory (N, S, width),
         src_mask (N, S) -> tokens (N, T), each position's most likely token given z = f(noise; x)."""
         latents, _ = self.prior_flow(noise, target_mask, memory, src_mask)
-        return most_likely_tokens(self.latent_logits(latents, target_mask, memory, src_mask), target_mask)
+        return fixed_length_tokens(self.latent_logits(latents, target_mask, memory, src_mask), target_mask)
 
     @torch.no_grad()
     def generate(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> list[list[int]]:
         """Argmax decoding of each source (B, S): its most likely length, ε = 0 pushed through the flow, one
         parallel pass. Returns the target ids of each."""
         memory = self.backbone.encode(src_ids, src_mask)
-        target_mask = lengths_mask(self.backbone.length_logits(memory, src_mask).argmax(-1) + 1)
+        target_mask = length_mask(self.backbone.length_logits(memory, src_mask).argmax(-1) + 1)
         noise = memory.new_zeros(*target_mask.shape, self.latent_dim)  # the mode of the prior's N(0, I)
         tokens = self.decode_noise(noise, target_mask, memory, src_mask)
         return [row[mask].tolist() for row, mask in zip(tokens, target_mask)]
@@ -405,7 +391,7 @@ def noisy_parallel_decode(model: FlowSeqModel, src_ids: torch.Tensor, src_mask: 
     best = backbone.length_logits(memory, src_mask).argmax(-1) + 1
     lengths = length_candidates(best, length_window, backbone.config.max_target_len)  # (B, L)
     rows, count = len(src_ids), lengths.shape[1] * samples
-    target_mask = lengths_mask(lengths.repeat_interleave(samples, dim=1).flatten())  # (B · count, T)
+    target_mask = length_mask(lengths.repeat_interleave(samples, dim=1).flatten())  # (B · count, T)
     noise = torch.randn((rows, lengths.shape[1], samples, target_mask.shape[1], model.latent_dim),
                         generator=generator) * temperature
     noise[:, :, 0] = 0.0  # each length's first candidate: the prior's mode

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from accelgen.nar.backbone import BackboneConfig, MethodModel, causal_mask, length_loss, masked_cross_entropy
-from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD
+from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, length_mask
 
 # --- decomposed vector quantisation (pure functions) --------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class LatentTransformerModel(MethodModel):
         mask = nn.functional.pad(tgt_mask, (0, padding), value=False)
         latents = self.compressor(self.backbone.embed_tokens(ids), mask, memory, src_mask)
         counts = latent_counts(tgt_mask.sum(dim=1), self.compression)
-        return latents, torch.arange(latents.shape[1], device=latents.device) < counts.unsqueeze(1)
+        return latents, length_mask(counts, latents.shape[1])
 
     def token_logits(self, quantised: torch.Tensor, target_mask: torch.Tensor, memory: torch.Tensor,
                      src_mask: torch.Tensor) -> torch.Tensor:
@@ -265,7 +265,7 @@ def latent_decode(model: LatentTransformerModel, src_ids: torch.Tensor, src_mask
     memory = backbone.encode(src_ids, src_mask)
     lengths = backbone.length_logits(memory, src_mask).argmax(-1) + 1  # (B,)
     codes = greedy_latents(model, memory, src_mask, int(latent_counts(lengths, model.compression).max()))
-    target_mask = torch.arange(int(lengths.max()), device=lengths.device) < lengths.unsqueeze(1)  # (B, T)
+    target_mask = length_mask(lengths)  # (B, T)
     logits = model.token_logits(code_vectors(codes, model.codebooks), target_mask, memory, src_mask)
     logits[..., list(NEVER_GENERATED) + [EOS]] = float("-inf")
     tokens = logits.argmax(-1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.nar.backbone import MethodModel, length_loss, masked_cross_entropy
-from accelgen.nar.tokens import EOS, MASK, NEVER_GENERATED
+from accelgen.nar.tokens import EOS, MASK, NEVER_GENERATED, length_mask
 
 
 def lowest_confidence_positions(confidence: torch.Tensor, target_mask: torch.Tensor,
@@ -85,7 +85,7 @@ def mask_predict(model: CMLMModel, src_ids: torch.Tensor, src_mask: torch.Tensor
     lengths = (backbone.length_logits(memory, src_mask).topk(count, dim=-1).indices + 1).flatten()  # (B * count,)
     memory, src_mask = memory.repeat_interleave(count, 0), src_mask.repeat_interleave(count, 0)
     width = int(lengths.max())
-    target_mask = torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)  # (B * count, width)
+    target_mask = length_mask(lengths, width)  # (B * count, width)
     tokens = torch.full(target_mask.shape, MASK, dtype=torch.long, device=lengths.device)
     confidence = torch.zeros(target_mask.shape, device=lengths.device)  # log-probability of each token
     for iteration in range(iterations):

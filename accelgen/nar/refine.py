@@ -47,7 +47,7 @@ from torch import nn
 
 from accelgen.nar.backbone import BackboneConfig, MethodModel, length_loss, masked_cross_entropy
 from accelgen.nar.nat import copy_positions, uniform_fertilities
-from accelgen.nar.tokens import EOS, NEVER_GENERATED, SPECIALS
+from accelgen.nar.tokens import SPECIALS, fixed_length_tokens
 
 # the corruption applied at a target position (codes of `draw_corruptions`)
 KEEP, REPLACE, REPEAT, SWAP = range(4)
@@ -101,14 +101,6 @@ def corrupt_targets(targets: torch.Tensor, target_mask: torch.Tensor, rate: floa
 # --- the passes (pure functions of a model) ---------------------------------------------------------------------
 
 
-def best_tokens(logits: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """logits (B, T, V), target_mask (B, T) -> each real position's most likely token (B, T), PAD elsewhere;
-    specials and EOS are never chosen (the length is decided before the passes)."""
-    allowed = logits.detach().clone()
-    allowed[..., list(NEVER_GENERATED) + [EOS]] = float("-inf")
-    return allowed.argmax(-1) * target_mask
-
-
 def initial_logits(model: RefineModel, src_ids: torch.Tensor, src_mask: torch.Tensor, memory: torch.Tensor,
                    lengths: torch.Tensor, target_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first pass: src_ids (B, S), src_mask (B, S), memory (B, S, width), lengths (B,) -> (logits (B, T, V),
@@ -134,13 +126,13 @@ def initial_pass(model: RefineModel, src_ids: torch.Tensor, src_mask: torch.Tens
                  lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Y^0: (tokens (B, T), target_mask (B, T)) at lengths (B,) (T: the longest), PAD past each length."""
     logits, target_mask = initial_logits(model, src_ids, src_mask, memory, lengths, int(lengths.max()))
-    return best_tokens(logits, target_mask), target_mask
+    return fixed_length_tokens(logits, target_mask), target_mask
 
 
 def refinement_pass(model: RefineModel, tokens: torch.Tensor, target_mask: torch.Tensor, memory: torch.Tensor,
                     src_mask: torch.Tensor) -> torch.Tensor:
     """Y^l from Y^(l-1): tokens (B, T) -> tokens (B, T), each position's most likely token, PAD on padding."""
-    return best_tokens(refinement_logits(model, tokens, target_mask, memory, src_mask), target_mask)
+    return fixed_length_tokens(refinement_logits(model, tokens, target_mask, memory, src_mask), target_mask)
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -199,13 +191,13 @@ class RefineModel(MethodModel):
         lengths = length_loss(self.backbone, memory, src_mask, tgt_mask)
         logits, _ = initial_logits(self, src, src_mask, memory, tgt_mask.sum(dim=1), tgt.shape[1])
         initial = masked_cross_entropy(logits, tgt, tgt_mask)
-        previous = best_tokens(logits, tgt_mask)  # detached: the lower bound is not differentiated through Y^(l-1)
+        previous = fixed_length_tokens(logits, tgt_mask)  # detached: the bound is not differentiated through Y^(l-1)
         refinements = []
         for step in range(self.training_passes):
             inputs = torch.where(denoised[:, step:step + 1], corrupted[:, step], previous)
             logits = refinement_logits(self, inputs, tgt_mask, memory, src_mask)
             refinements.append(masked_cross_entropy(logits, tgt, tgt_mask))
-            previous = best_tokens(logits, tgt_mask)
+            previous = fixed_length_tokens(logits, tgt_mask)
         refinement = torch.stack(refinements)
         total = lengths + initial + refinement.sum()
         return total, {"initial_loss": float(initial.detach()), "refinement_loss": float(refinement.detach().mean()),

@@ -82,6 +82,20 @@ class Vocabulary:
         return cls(tokenizer, saved["tokenizer_ids"])
 
 
+def length_mask(lengths: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """lengths (N,) -> mask (N, width) bool, True on each row's first lengths[i] positions (width: the longest)."""
+    width = max(int(lengths.max()), 1) if width is None else width
+    return torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)
+
+
+def fixed_length_tokens(logits: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """logits (B, T, V), target_mask (B, T) -> tokens (B, T): each real position's most likely token, never a
+    special nor EOS (the length is decided before the pass); PAD at padding."""
+    allowed = logits.detach().clone()
+    allowed[..., list(NEVER_GENERATED) + [EOS]] = float("-inf")
+    return allowed.argmax(-1) * target_mask
+
+
 def pad_sequences(sequences: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (N, width), mask (N, width) bool, True on real tokens): sequences right-padded with PAD to width
     (default: the longest)."""

@@ -12,11 +12,10 @@ from torch.autograd.functional import jacobian
 
 from accelgen.nar.ar import ARStudent
 from accelgen.nar.backbone import masked_cross_entropy
-from accelgen.nar.flowseq import (FlowSeqModel, length_candidates, lengths_mask, most_likely_tokens,
-                                  noisy_parallel_decode)
+from accelgen.nar.flowseq import FlowSeqModel, length_candidates, noisy_parallel_decode
 from accelgen.nar.mask_predict import CMLMModel
 from accelgen.nar.nat import NATModel
-from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, pad_sequences
+from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, fixed_length_tokens, length_mask, pad_sequences
 from accelgen.nar.train import TrainSettings, held_out_loss, select_rows, train_model
 
 SMALL = {"latent_dim": 8, "flow_steps": 1}  # the trained model every decoding test shares
@@ -153,11 +152,11 @@ def test_length_candidates_and_token_choice():
                                                                                        [1, 1, 2, 1, 3],
                                                                                        [12, 11, 12, 10, 12]]
     assert length_candidates(torch.tensor([4]), 0, max_length=12).tolist() == [[4]]
-    assert lengths_mask(torch.tensor([2, 3])).tolist() == [[True, True, False], [True, True, True]]
+    assert length_mask(torch.tensor([2, 3])).tolist() == [[True, True, False], [True, True, True]]
     logits = torch.zeros(1, 3, 8)
     logits[0, :, EOS] = 5.0  # never chosen: the length is decided
     logits[0, 0, 6], logits[0, 1, 7], logits[0, 2, 5] = 1.0, 1.0, 1.0
-    assert most_likely_tokens(logits, torch.tensor([[True, True, False]])).tolist() == [[6, 7, PAD]]
+    assert fixed_length_tokens(logits, torch.tensor([[True, True, False]])).tolist() == [[6, 7, PAD]]
 
 
 def test_noisy_parallel_decoding_returns_what_the_scorer_scores_best(trained, copy_task):

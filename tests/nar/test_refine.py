@@ -13,9 +13,9 @@ import torch
 from accelgen.nar import refine
 from accelgen.nar.backbone import length_loss, masked_cross_entropy
 from accelgen.nar.mask_predict import CMLMModel
-from accelgen.nar.refine import (KEEP, REPEAT, REPLACE, SWAP, RefineModel, apply_corruptions, best_tokens,
+from accelgen.nar.refine import (KEEP, REPEAT, REPLACE, SWAP, RefineModel, apply_corruptions,
                                  corrupt_targets, draw_corruptions, initial_pass, refine_decode, refinement_pass)
-from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, SPECIALS, pad_sequences
+from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, SPECIALS, fixed_length_tokens, pad_sequences
 from accelgen.nar.train import TrainSettings, train_model
 
 
@@ -236,7 +236,7 @@ def test_best_tokens_skip_specials_and_pad_padding():
     logits[0, 0, EOS], logits[0, 0, 6] = 5.0, 1.0  # EOS wins the raw argmax, 6 the allowed one
     logits[0, 1, PAD], logits[0, 1, 7] = 5.0, 1.0
     logits[0, 2, 5] = 9.0  # padding: PAD whatever wins
-    assert best_tokens(logits, torch.tensor([[True, True, False]])).tolist() == [[6, 7, PAD]]
+    assert fixed_length_tokens(logits, torch.tensor([[True, True, False]])).tolist() == [[6, 7, PAD]]
 
 
 # --- saving, options --------------------------------------------------------------------------------------------
