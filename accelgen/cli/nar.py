@@ -21,6 +21,7 @@ import typer
 
 from accelgen.cli.common import FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_HELP, console, reported_errors, \
     set_threads
+from accelgen.nar.task import SUMMARY_MAX_NEW_TOKENS
 
 nar_app = typer.Typer(no_args_is_help=True, help="Non-autoregressive models: code-summary data, generation, benchmark.")
 
@@ -98,7 +99,7 @@ def distill(
     limit: Optional[int] = typer.Option(None, min=1, help="Summarise only the first LIMIT examples of each split."),
     splits: list[str] = typer.Option(["train", "valid", "test"], "--split", help="Splits to summarise (repeatable)."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Prompts per batched forward."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", min=1),
+    max_new_tokens: int = typer.Option(SUMMARY_MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1),
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP + " Default auto: the fastest measured here "
                                 "(prefill dominates; on some CPUs bf16 prefill is several times slower than fp32)."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
@@ -179,15 +180,24 @@ def bench(
     npd_samples: int = typer.Option(8, "--npd-samples", min=0, help="Noisy parallel decoding: candidates per "
                                     "source, rescored by the AR student (a +npd row beside NAT-like models; 0: "
                                     "none)."),
+    teacher: Optional[str] = typer.Option(None, "--teacher", help="The AR teacher to time beside the models, "
+                                          "answering the distillation request (e.g. qwen2.5-coder-0.5b): speedups "
+                                          "against it too. " + MODEL_HELP),
+    weights: str = typer.Option("auto", "--weights", help="The teacher's weights. " + WEIGHTS_HELP),
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
 ):
     """BLEU/chrF against the teacher and the docstrings, decoder passes, latency at batch 1, throughput at batch 32,
-    and speedups over the AR student measured in the same run; with a quality-against-speed plot."""
+    and speedups over the AR student (and the AR teacher) measured in the same run; with a quality-against-speed
+    plot."""
     from accelgen.atomic import write_json_atomically, write_text_atomically
     from accelgen.hardware import describe
-    from accelgen.nar.bench import ModelRun, measure, noisy_parallel_runs, plot_quality_speed, rows_of, summarise
+    from accelgen.nar.bench import ModelRun, measure, noisy_parallel_runs, plot_quality_speed, rows_of, summarise, \
+        teacher_run
+    from accelgen.costs import model_format
+    from accelgen.models import load_model
     from accelgen.nar.methods import load_trained
-    from accelgen.nar.task import load_task
+    from accelgen.nar.task import REQUEST_NAME, SUMMARY_MAX_NEW_TOKENS, load_task
+    from accelgen.train.regenerate import RegenerateSettings
 
     set_threads(threads)
     with reported_errors(INPUT_ERRORS):
@@ -202,38 +212,58 @@ def bench(
             runs.append(ModelRun(name, model, model.generate))
         if npd_samples:
             runs += noisy_parallel_runs(runs, npd_samples)
-        target = "teacher" if "test" in loaded_task.teacher else "docstring"
-        pairs = loaded_task.pairs("test", target, examples)
-        docstrings = [example.summary for example in loaded_task.splits["test"][:len(pairs)]]
-        teacher = [summary for _, summary in pairs] if target == "teacher" else None
+        pairs = loaded_task.pairs("test", "docstring", examples)
+        docstrings = [summary for _, summary in pairs]
+        # the teacher's summaries as a reference where the test split was distilled (its first examples)
+        references = loaded_task.teacher.get("test", [])[:len(pairs)]
         rows = rows_of(pairs, loaded_task.vocabulary, min(run.model.config.max_source_len for run in runs))
-    measure(runs, rows, min(latency_examples, len(pairs)), batch_size, progress=lambda text: console.print(text))
-    results = summarise(runs, loaded_task.vocabulary.decode, teacher, docstrings,
-                        baseline=next((run.name for run in runs if run.model.method == "ar"), ""))
+        timed_teacher = None
+        if teacher:
+            with console.status(f"loading the teacher {teacher} …"):
+                teacher_model, teacher_tokenizer = load_model(teacher, weights=weights, threads=threads)
+            settings = RegenerateSettings(model=teacher, dataset=REQUEST_NAME, weights=model_format(teacher_model),
+                                          max_new_tokens=SUMMARY_MAX_NEW_TOKENS, batch_size=batch_size)
+            timed_teacher = teacher_run(f"teacher ({teacher}, {settings.weights})", teacher_model, teacher_tokenizer,
+                                        loaded_task.splits["test"][:len(pairs)], settings)
+    measure(runs, rows, min(latency_examples, len(pairs)), batch_size, progress=lambda text: console.print(text),
+            teacher=timed_teacher)
+    results = summarise(runs, loaded_task.vocabulary.decode, references, docstrings,
+                        baseline=next((run.name for run in runs if run.model.method == "ar"), ""),
+                        teacher_run=timed_teacher)
     out.mkdir(parents=True, exist_ok=True)
     machine = describe(threads)
-    write_json_atomically(out / "results.json", {"task": str(task), "target": target, "machine": machine,
-                                                 "batch_size": batch_size, "rows": results})
-    write_text_atomically(out / "report.md", report_table(results, target, machine, batch_size))
-    plot_quality_speed(results, out / "quality_speed.png", "bleu_teacher" if teacher else "bleu_docstring")
-    console.print(report_table(results, target, machine, batch_size))
+    write_json_atomically(out / "results.json", {"task": str(task), "teacher_references": len(references),
+                                                 "machine": machine, "batch_size": batch_size, "rows": results})
+    report = report_table(results, len(references), machine, batch_size)
+    write_text_atomically(out / "report.md", report)
+    # quality against the teacher where every example has its summary, else against the docstrings
+    metric = "bleu_teacher" if references and len(references) == len(pairs) else "bleu_docstring"
+    plot_quality_speed(results, out / "quality_speed.png", metric)
+    console.print(report)
 
 
-def report_table(rows: list[dict], target: str, machine: dict, batch_size: int) -> str:
-    """The results as Markdown: one row per model (the teacher's columns only where the test split was distilled)."""
+def report_table(rows: list[dict], teacher_references: int, machine: dict, batch_size: int) -> str:
+    """The results as Markdown: one row per model (the columns against the teacher's summaries only where the
+    test split was distilled; the speedups against the teacher only where it was timed)."""
     from accelgen.hardware import flags_text
 
-    teacher = target == "teacher"
-    quality = ["BLEU (teacher)", "chrF (teacher)", "exact match (teacher)"] if teacher else []
-    header = quality + ["BLEU (docstring)", "chrF (docstring)", "decoder passes", "latency ms (batch 1)",
-                        "speedup (batch 1)", f"examples/s (batch {batch_size})", f"speedup (batch {batch_size})"]
-    lines = [f"CPU: {flags_text(machine)}; torch threads: {machine['torch_threads']}", "",
-             "| model | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
-    for row in rows:
-        cells = [f"{row['bleu_teacher']:.1f}", f"{row['chrf_teacher']:.1f}",
-                 f"{row['exact_match_teacher']:.1f}%"] if teacher else []
-        cells += [f"{row['bleu_docstring']:.1f}", f"{row['chrf_docstring']:.1f}", f"{row['passes_mean']:.1f}",
-                  f"{row['latency_ms_mean']:.1f}", f"{row.get('speedup_latency', 1):.2f}x",
-                  f"{row['throughput_batch']:.1f}", f"{row.get('speedup_throughput', 1):.2f}x"]
-        lines.append(f"| {row['model']} | " + " | ".join(cells) + " |")
+    def cell(row: dict, key: str, form: str) -> str:
+        return form.format(row[key]) if row.get(key) is not None else "—"
+
+    columns = [("BLEU (teacher)", "bleu_teacher", "{:.1f}"), ("chrF (teacher)", "chrf_teacher", "{:.1f}"),
+               ("exact match (teacher)", "exact_match_teacher", "{:.1f}%")] if teacher_references else []
+    columns += [("BLEU (docstring)", "bleu_docstring", "{:.1f}"), ("chrF (docstring)", "chrf_docstring", "{:.1f}"),
+                ("decoder passes", "passes_mean", "{:.1f}"), ("latency ms (batch 1)", "latency_ms_mean", "{:.1f}"),
+                ("speedup (batch 1)", "speedup_latency", "{:.2f}x"),
+                (f"examples/s (batch {batch_size})", "throughput_batch", "{:.1f}"),
+                (f"speedup (batch {batch_size})", "speedup_throughput", "{:.2f}x")]
+    if any("speedup_teacher_latency" in row for row in rows):
+        columns += [("speedup vs teacher (batch 1)", "speedup_teacher_latency", "{:.1f}x"),
+                    (f"speedup vs teacher (batch {batch_size})", "speedup_teacher_throughput", "{:.1f}x")]
+    lines = [f"CPU: {flags_text(machine)}; torch threads: {machine['torch_threads']}", ""]
+    if teacher_references:
+        lines += [f"Teacher columns: against the teacher's summaries of the first {teacher_references} examples.", ""]
+    lines += ["| model | " + " | ".join(name for name, _, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {row['model']} | " + " | ".join(cell(row, key, form) for _, key, form in columns) + " |"
+              for row in rows]
     return "\n".join(lines) + "\n"

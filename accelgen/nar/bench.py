@@ -2,9 +2,10 @@
 
 Per model: BLEU and chrF (sacrebleu) against the teacher's summaries and against the original docstrings, exact
 match with the teacher; sequential decoder passes per output; latency at batch 1 and throughput at batch 32; and
-speedups against the AR student measured in the same run. Latency is timed one example at a time with the models
-interleaved (example 1 through every model, then example 2, ...), so that a slow spell of a noisy machine falls on
-all of them alike; a speedup is the AR student's total time over the model's, on the same examples.
+speedups against the AR student and, when given, the AR teacher, measured in the same run. Latency is timed one
+example at a time with the models interleaved (example 1 through every model and the teacher, then example 2, ...),
+so that a slow spell of a noisy machine falls on all of them alike; a speedup is the baseline's total time over the
+model's, on the same examples.
 """
 
 from __future__ import annotations
@@ -31,6 +32,31 @@ class ModelRun:
     latencies: list[float] = field(default_factory=list)  # seconds per example, batch 1
     passes: list[int] = field(default_factory=list)  # sequential decoder passes per example, batch 1
     throughput: float = 0.0  # examples per second at batch_size
+
+
+@dataclass
+class TeacherRun:
+    """The AR teacher the targets came from: a full LLM answering the distillation request for an example."""
+
+    name: str
+    answer: Callable[[list[int]], list[dict]]  # test example indices -> their answer records (train/regenerate.py)
+    texts: list[str] = field(default_factory=list)  # its summaries of the latency examples
+    latencies: list[float] = field(default_factory=list)
+    passes: list[int] = field(default_factory=list)  # forwards: one per answer token (the prefill gives the first)
+    throughput: float = 0.0  # examples per second over one batch of batch_size
+
+
+def teacher_run(name: str, model, tokenizer, examples: list, settings) -> TeacherRun:
+    """The teacher answering examples (data.Example) as `accelgen nar distill` asked it (settings: a
+    RegenerateSettings; its batch_size is ignored, each call being one batch)."""
+    from accelgen.datasets import prompt_token_ids
+    from accelgen.nar.task import summary_prompts
+    from accelgen.train.regenerate import answer_batch
+
+    prompts = summary_prompts(examples, "test")
+    token_ids = [prompt_token_ids(tokenizer, prompt, settings.prompt_format) for prompt in prompts]
+    return TeacherRun(name, lambda indices: answer_batch(model, tokenizer, [prompts[i] for i in indices],
+                                                         [token_ids[i] for i in indices], settings))
 
 
 @contextlib.contextmanager
@@ -79,9 +105,12 @@ def batches(rows: dict[str, torch.Tensor], size: int):
 
 @torch.no_grad()
 def measure(runs: list[ModelRun], rows: dict[str, torch.Tensor], latency_examples: int, batch_size: int = 32,
-            progress: Callable[[str], None] | None = None) -> None:
+            progress: Callable[[str], None] | None = None, teacher: TeacherRun | None = None) -> None:
     """Fill each run's outputs (every row, at batch_size), throughput, and latency and passes (the first
-    latency_examples rows, one at a time, the runs interleaved)."""
+    latency_examples rows, one at a time, the runs interleaved); and the teacher's throughput over the first
+    batch_size rows and its latency, passes and summaries on the latency examples, interleaved with the runs."""
+    from accelgen.nar.task import teacher_line
+
     for run in runs:
         if progress:
             progress(f"{run.name}: batch {batch_size}")
@@ -89,6 +118,14 @@ def measure(runs: list[ModelRun], rows: dict[str, torch.Tensor], latency_example
         started = time.perf_counter()
         run.outputs = [output for src, mask in batches(rows, batch_size) for output in run.generate(src, mask)]
         run.throughput = len(run.outputs) / (time.perf_counter() - started)
+    if teacher is not None:
+        if progress:
+            progress(f"{teacher.name}: batch {batch_size}")
+        teacher.answer([0])  # warm-up
+        batch = list(range(min(batch_size, len(rows["src"]))))
+        started = time.perf_counter()
+        teacher.answer(batch)
+        teacher.throughput = len(batch) / (time.perf_counter() - started)
     for index, (src, mask) in enumerate(batches(rows, 1)):
         if index >= latency_examples:
             break
@@ -100,16 +137,24 @@ def measure(runs: list[ModelRun], rows: dict[str, torch.Tensor], latency_example
                 run.generate(src, mask)
                 run.latencies.append(time.perf_counter() - started)
             run.passes.append(count[0])
+        if teacher is not None:
+            started = time.perf_counter()
+            record = teacher.answer([index])[0]
+            teacher.latencies.append(time.perf_counter() - started)
+            teacher.passes.append(len(record["answer_token_ids"]))
+            teacher.texts.append(teacher_line(record["answer"]))
 
 
 def quality(texts: list[str], teacher: list[str] | None, docstrings: list[str]) -> dict:
-    """BLEU and chrF against the teacher's summaries (when given) and against the docstrings; exact match with
-    the teacher."""
+    """BLEU and chrF against the docstrings and, on the first len(teacher) texts, against the teacher's summaries
+    (when given); exact match with the teacher."""
     import sacrebleu
 
-    scores = {"bleu_docstring": sacrebleu.corpus_bleu(texts, [docstrings]).score,
-              "chrf_docstring": sacrebleu.corpus_chrf(texts, [docstrings]).score}
-    if teacher is not None:
+    scores = {"bleu_docstring": sacrebleu.corpus_bleu(texts, [docstrings[:len(texts)]]).score,
+              "chrf_docstring": sacrebleu.corpus_chrf(texts, [docstrings[:len(texts)]]).score}
+    if teacher:
+        texts = texts[:len(teacher)]
+        teacher = teacher[:len(texts)]
         scores.update(bleu_teacher=sacrebleu.corpus_bleu(texts, [teacher]).score,
                       chrf_teacher=sacrebleu.corpus_chrf(texts, [teacher]).score,
                       exact_match_teacher=100 * sum(text.strip() == summary.strip()
@@ -117,21 +162,39 @@ def quality(texts: list[str], teacher: list[str] | None, docstrings: list[str]) 
     return scores
 
 
+def timing(run: ModelRun | TeacherRun) -> dict:
+    return {"passes_mean": sum(run.passes) / max(len(run.passes), 1),
+            "latency_ms_mean": 1000 * sum(run.latencies) / max(len(run.latencies), 1),
+            "throughput_batch": run.throughput, "latency_examples": len(run.latencies)}
+
+
+def speedups(run: ModelRun | TeacherRun, base: ModelRun | TeacherRun) -> tuple[float, float]:
+    """(batch-1 latency, batch throughput) of run over base's, on the same examples."""
+    return sum(base.latencies) / sum(run.latencies), run.throughput / base.throughput
+
+
 def summarise(runs: list[ModelRun], decode: Callable[[list[int]], str], teacher: list[str] | None,
-              docstrings: list[str], baseline: str = "ar") -> list[dict]:
-    """One row per run: quality, passes, latency, throughput, and speedups against the run named baseline."""
+              docstrings: list[str], baseline: str = "ar", teacher_run: TeacherRun | None = None) -> list[dict]:
+    """One row per run: quality, passes, latency, throughput, and speedups against the run named baseline and the
+    teacher; then the teacher's row (its quality against the docstrings of the latency examples it answered)."""
     base = next((run for run in runs if run.name == baseline), None)
     rows = []
     for run in runs:
         texts = [decode(output) for output in run.outputs]
         row = {"model": run.name, "method": run.model.method,
                "rescored_by": run.scorer.method if run.scorer else None, **quality(texts, teacher, docstrings),
-               "passes_mean": sum(run.passes) / max(len(run.passes), 1),
-               "latency_ms_mean": 1000 * sum(run.latencies) / max(len(run.latencies), 1),
-               "throughput_batch": run.throughput, "examples": len(texts), "latency_examples": len(run.latencies)}
+               **timing(run), "examples": len(texts)}
         if base is not None:
-            row["speedup_latency"] = sum(base.latencies) / sum(run.latencies)
-            row["speedup_throughput"] = run.throughput / base.throughput
+            row["speedup_latency"], row["speedup_throughput"] = speedups(run, base)
+        if teacher_run is not None:
+            row["speedup_teacher_latency"], row["speedup_teacher_throughput"] = speedups(run, teacher_run)
+        rows.append(row)
+    if teacher_run is not None:
+        row = {"model": teacher_run.name, "method": "teacher", "rescored_by": None,
+               **quality(teacher_run.texts, None, docstrings), **timing(teacher_run),
+               "examples": len(teacher_run.texts), "speedup_teacher_latency": 1.0, "speedup_teacher_throughput": 1.0}
+        if base is not None:
+            row["speedup_latency"], row["speedup_throughput"] = speedups(teacher_run, base)
         rows.append(row)
     return rows
 
@@ -151,7 +214,7 @@ def plot_quality_speed(rows: list[dict], path, metric: str = "bleu_teacher") -> 
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 5))
-    for row in rows:
+    for row in [row for row in rows if metric in row]:
         axes.scatter(row.get("speedup_latency", 1.0), row[metric])
         axes.annotate(row["model"], (row.get("speedup_latency", 1.0), row[metric]), textcoords="offset points",
                       xytext=(4, 4), fontsize=8)

@@ -32,6 +32,7 @@ TARGETS = ("teacher", "docstring")
 SUMMARY_REQUEST = ("Write the first line of the docstring of this Python function: one short sentence of at most "
                    "12 words that starts with a verb and says what the function does. Reply with that sentence "
                    "only.\n\n```python\n{source}```")
+SUMMARY_MAX_NEW_TOKENS = 48  # the teacher's answer budget: a one-line summary, with room for a preamble
 # what a teacher's answers were asked with: part of their settings, so a changed request never resumes old answers
 REQUEST_NAME = "code-summary-" + hashlib.sha1(SUMMARY_REQUEST.encode()).hexdigest()[:8]
 # A small teacher often answers "The function `f` returns ..." however it is asked: the subject is cut, so that the

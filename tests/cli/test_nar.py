@@ -110,7 +110,7 @@ def test_the_benchmark_measures_every_model_against_the_ar_student(trained, task
                     "--latency-examples", "3", "--batch-size", "4")
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
-    assert results["target"] == "docstring"  # no teacher summaries: the docstrings are the reference
+    assert results["teacher_references"] == 0  # no teacher summaries: the docstrings are the reference
     rows = {row["model"]: row for row in results["rows"]}
     assert set(rows) == {"ar", "nat", "nat+npd"} and rows["ar"]["speedup_latency"] == 1.0
     assert rows["nat"]["passes_mean"] == 1.0 and rows["ar"]["passes_mean"] >= 1.0
@@ -120,14 +120,36 @@ def test_the_benchmark_measures_every_model_against_the_ar_student(trained, task
     assert (out / "quality_speed.png").stat().st_size > 0 and "| nat |" in (out / "report.md").read_text()
 
 
-def test_distillation_by_a_teacher_resumes_and_becomes_the_target(task, make_tiny_model, tmp_path):
+@pytest.fixture
+def teacher(task, make_tiny_model, tmp_path):
+    """A tiny Qwen2 teacher folder speaking the task's tokenizer."""
     from transformers import AutoTokenizer
 
+    folder = tmp_path / "teacher"
+    make_tiny_model("qwen2", seed=0).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(task / "tokenizer").save_pretrained(folder)
+    return folder
+
+
+def test_the_benchmark_times_the_teacher_on_the_same_examples(trained, task, teacher, tmp_path):
+    out = tmp_path / "bench"
+    result = invoke("nar", "bench", "--task", task, "--model", trained("ar"), "--out", out, "--examples", "4",
+                    "--latency-examples", "2", "--batch-size", "3", "--npd-samples", "0", "--teacher", teacher,
+                    "--weights", "fp32")
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
+    student, timed = rows["ar"], rows["teacher"]
+    assert timed["latency_examples"] == student["latency_examples"] == 2 and timed["examples"] == 2
+    assert timed["passes_mean"] >= 1 and timed["throughput_batch"] > 0
+    # each speedup is the ratio of the two measured times, either way round
+    assert student["speedup_teacher_latency"] == pytest.approx(timed["latency_ms_mean"] / student["latency_ms_mean"])
+    assert student["speedup_teacher_latency"] * timed["speedup_latency"] == pytest.approx(1.0)
+    assert "speedup vs teacher (batch 1)" in (out / "report.md").read_text()
+
+
+def test_distillation_by_a_teacher_resumes_and_becomes_the_target(task, teacher):
     from accelgen.nar.task import load_task
 
-    teacher = tmp_path / "teacher"
-    make_tiny_model("qwen2", seed=0).save_pretrained(teacher)
-    AutoTokenizer.from_pretrained(task / "tokenizer").save_pretrained(teacher)
     arguments = ["nar", "distill", "--task", task, "--teacher", teacher, "--split", "test", "--limit", "2",
                  "--max-new-tokens", "6", "--weights", "fp32"]
     result = invoke(*arguments)
