@@ -49,12 +49,18 @@ class ScaleOut:
     grad_accum: int = field(default=1, metadata={"help": "Micro-batches each process splits its share of a step's "
                                                          "batch into (the step's batch and result stay the same).",
                                                  "min": 1})
+    max_minutes: float = field(default=0.0, metadata={"help": "Stop after the first step that ends this many minutes "
+                                                              "into training (0: no limit), checkpointed there, so the "
+                                                              "same command goes on later; the head is saved as it is.",
+                                                      "min": 0.0})
 
     def __post_init__(self):
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISION)}")
         if self.grad_accum < 1:
             raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+        if self.max_minutes < 0:
+            raise ValueError(f"--max-minutes must be >= 0, got {self.max_minutes}")
 
 
 @dataclass
@@ -153,6 +159,17 @@ def sum_across_processes(parameters: list[torch.nn.Parameter], accelerator) -> N
         offset += grad.numel()
 
 
+def out_of_time(started: float, max_minutes: float, accelerator) -> bool:
+    """Whether the training that started at `started` (perf_counter) has used its max_minutes (0: never). Every
+    process stops at the same step: the first process's clock decides for all."""
+    if not max_minutes:
+        return False
+    over = torch.tensor([float(time.perf_counter() - started >= max_minutes * 60)], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        over = accelerator.reduce(over * float(accelerator.is_main_process), reduction="sum")
+    return bool(over.item())
+
+
 def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
                  draw: Callable[[int], dict], loss_of: Callable[[dict], tuple[torch.Tensor, dict]], *,
                  scale: ScaleOut | None = None, checkpointing: Checkpointing | None = None,
@@ -160,7 +177,8 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
                  progress: Callable[[dict], None] | None = None,
                  after_step: Callable[[int], None] | None = None) -> dict:
     """Train module's parameters in optimizer for `steps` steps (from its checkpoint's step, if it has one),
-    step s on draw(s); returns {"resumed_at", "seconds", "processes"}.
+    step s on draw(s), stopping early once scale.max_minutes have passed; returns {"resumed_at", "stopped_at" (the
+    steps done, counting those before a resume), "seconds", "processes"}.
 
     progress(row) gets {"step", "steps", "loss", "seconds", "tokens_per_second", **metrics} after each step (first
     process only, metrics being loss_of's averaged over its rows); after_step(s) runs after step s, and at 0 before
@@ -176,7 +194,7 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
     if main and after_step is not None and start == 0:
         after_step(0)
     started = time.perf_counter()
-    rows_done = 0
+    rows_done, stopped_at = 0, start
     for step in range(start, steps):
         batch = draw(step)
         rows = batch_rows(batch)
@@ -200,10 +218,13 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
             accelerator.clip_grad_norm_(parameters, max_grad_norm)
         stepper.step()
         stepper.zero_grad(set_to_none=True)
-        rows_done += rows
+        rows_done, stopped_at = rows_done + rows, step + 1
+        stopping = out_of_time(started, scale.max_minutes, accelerator)
         if not main:
+            if stopping:
+                break
             continue
-        if checkpoint is not None and ((step + 1) % checkpointing.every == 0 or step + 1 == steps):
+        if checkpoint is not None and ((step + 1) % checkpointing.every == 0 or step + 1 == steps or stopping):
             save_checkpoint(checkpoint, step + 1, checkpointing.settings, module, optimizer)
         if progress is not None:
             seconds = time.perf_counter() - started
@@ -212,4 +233,7 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
                       "tokens_per_second": rows_done * tokens_per_row / seconds, **means})
         if after_step is not None:
             after_step(step + 1)
-    return {"resumed_at": start, "seconds": time.perf_counter() - started, "processes": processes}
+        if stopping:
+            break
+    return {"resumed_at": start, "stopped_at": stopped_at, "seconds": time.perf_counter() - started,
+            "processes": processes}

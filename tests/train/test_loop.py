@@ -80,6 +80,18 @@ def test_a_resumed_run_ends_where_an_unbroken_one_does(tmp_path):
     torch.testing.assert_close(regression_run(steps=5, checkpointing=checkpointing()), unbroken, rtol=0, atol=1e-7)
 
 
+def test_a_run_out_of_minutes_stops_checkpointed_and_the_same_command_goes_on(tmp_path):
+    checkpointing = Checkpointing(tmp_path / "trainer.pt", {"lr": 0.1}, "regression", every=100)
+    unbroken = regression_run(steps=5)
+    # a limit any step outlasts: the run stops after its first step and checkpoints it (not due by `every`)
+    stopped = regression_run(ScaleOut(max_minutes=1e-9), steps=5, checkpointing=checkpointing)
+    assert torch.load(tmp_path / "trainer.pt", weights_only=False)["step"] == 1
+    assert not torch.equal(stopped, unbroken)
+    torch.testing.assert_close(regression_run(steps=5, checkpointing=checkpointing), unbroken, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="--max-minutes must be >= 0"):
+        ScaleOut(max_minutes=-1)
+
+
 # --- 2 processes over gloo: the `accelgen train medusa` command under `accelerate launch` --------------------
 
 
@@ -119,7 +131,8 @@ def assert_same_heads(actual: dict, expected: dict) -> None:
 
 def test_two_processes_over_gloo_train_what_one_process_trains(tiny_folder):
     one = train_medusa(tiny_folder, "one", steps=6)
-    two = train_medusa(tiny_folder, "two", 6, 2, "--grad-accum", "2")  # each process: 2 micro-batches of 4 rows
+    # each process: 2 micro-batches of 4 rows; a time limit not reached asks the first process's clock every step
+    two = train_medusa(tiny_folder, "two", 6, 2, "--grad-accum", "2", "--max-minutes", "60")
     assert float(one["blocks.0.weight"].abs().max()) > 0.01  # trained, not the zero start
     assert_same_heads(two, one)
     assert json.loads((tiny_folder / "two" / "evaluation.json").read_text())["processes"] == 2

@@ -54,7 +54,7 @@ def train_mask_tokens_run(run: MaskTokensRun, config, method: str, new_tokens: C
         "evaluation_seconds": time.perf_counter() - started, **evaluation})
     top1 = ", ".join(f"{accuracy:.0%}" for accuracy in evaluation["top1_per_depth"])
     console.print(f"held out: mask top-1 by depth {top1}; {evaluation['mean_masks_in_a_row']:.2f} masks right in a "
-                  f"row on average (trained {config.steps - times['resumed_at']} steps in {times['seconds']:.0f}s)")
+                  f"row on average (trained {times['stopped_at'] - times['resumed_at']} steps in {times['seconds']:.0f}s)")
     console.print(f"{method} mask tokens → {out}; use: --method {method} --head {out}")
 
 

@@ -91,7 +91,7 @@ def cllm(run: CllmRun, config: CllmConfig, scale: ScaleOut) -> None:
             "training_seconds": result["seconds"], "resumed_at": result["resumed_at"],
             "held_out_before": before, "held_out_after": after})
     show_evaluation(before, after)
-    console.print(f"trained {config.steps - result['resumed_at']} steps in {result['seconds']:.0f}s on "
+    console.print(f"trained {result['stopped_at'] - result['resumed_at']} steps in {result['seconds']:.0f}s on "
                   f"{len(training)} blocks → {run.out}; decode it with `accelgen generate --model {run.out} "
                   f"--method jacobi` (or lookahead-decoding); held-out figures: {run.out}/cllm.json")
 

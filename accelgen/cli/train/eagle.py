@@ -59,7 +59,7 @@ def eagle(run: EagleRun, config: EagleConfig, scale: ScaleOut) -> None:
     console.print(f"held out ({config.recipe}): the head's top-1 is the target's next choice at {evaluation['top1']:.1%} "
                   f"of positions, top-5 at {evaluation['top5']:.1%}; top-1 at draft depths 1..{CURVE_DEPTHS}: {depths}; "
                   f"{evaluation['choices_in_draft_vocab']:.1%} of the choices are in the draft vocabulary (trained "
-                  f"{config.steps - training['resumed_at']} steps in {training['seconds']:.0f}s)")
+                  f"{training['stopped_at'] - training['resumed_at']} steps in {training['seconds']:.0f}s)")
     if curve is not None:
         console.print(f"learning curve → {curve.path}; {curve.plot()}")
     console.print(f"EAGLE head → {run.out}; use: --method eagle --head {run.out}")

@@ -58,7 +58,7 @@ def layerskip(run: LayerSkipRun, config: LayerSkipConfig, scale: ScaleOut) -> No
         "training_seconds": result["seconds"], "resumed_at": result["resumed_at"], "held_out_windows": run.held_out,
         "exit_accuracy_before": before, "exit_accuracy_after": after})
     plot_exit_accuracy(before, after, Path(out) / "exit_accuracy.png")
-    console.print(f"trained {config.steps - result['resumed_at']} steps in {result['seconds']:.0f}s → {out} "
+    console.print(f"trained {result['stopped_at'] - result['resumed_at']} steps in {result['seconds']:.0f}s → {out} "
                   f"(use --model {out} --method layerskip); exit accuracy: {out}/exit_accuracy.json, .png")
 
 

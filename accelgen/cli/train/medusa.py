@@ -62,7 +62,7 @@ def medusa(run: MedusaRun, config: MedusaConfig, scale: ScaleOut) -> None:
     save_evaluation(run, config, training, {"heads": evaluation})
     if curve is not None:
         console.print(f"learning curve → {curve.path}; {curve.plot()}")
-    console.print(f"{config.heads} Medusa heads → {run.out} (trained {config.steps - training['resumed_at']} steps "
+    console.print(f"{config.heads} Medusa heads → {run.out} (trained {training['stopped_at'] - training['resumed_at']} steps "
                   f"in {training['seconds']:.0f}s); use: --method medusa -o heads={run.out} (or --method blockwise)")
 
 

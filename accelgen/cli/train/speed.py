@@ -62,7 +62,7 @@ def speed_model(run: SpeedModelRun, config: SpeedModelConfig, scale: ScaleOut) -
             "parameters": sum(parameter.numel() for parameter in model.parameters()),
             "training_windows": len(training), "training_seconds": result["seconds"],
             "resumed_at": result["resumed_at"], "held_out_windows": run.held_out, "held_out": metrics})
-    console.print(f"trained {config.steps - result['resumed_at']} steps in {result['seconds']:.0f}s → {run.out}; "
+    console.print(f"trained {result['stopped_at'] - result['resumed_at']} steps in {result['seconds']:.0f}s → {run.out}; "
                   f"held out: perplexity {metrics['perplexity']:.1f}, first-repeat exit agrees with the last layer "
                   f"{metrics['exit_agrees_with_last']:.1%}; use --model {run.out} --method speed")
 
