@@ -102,5 +102,6 @@ class PositionNoise:
 
 def gumbel_choice(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """(k, vocab) probabilities (after temperature, top-k, top-p) and (k, vocab) Gumbel noise -> (k,) long:
-    argmax(log p + g), an exact sample of p when g is fresh Gumbel noise."""
-    return (probs.log() + noise).argmax(dim=-1)
+    argmax(log p + g), an exact sample of p when g is fresh Gumbel noise. The noise is drawn on the CPU (the same
+    stream on every device) and moved to the probabilities' device."""
+    return (probs.log() + noise.to(probs.device)).argmax(dim=-1)

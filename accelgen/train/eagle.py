@@ -301,20 +301,22 @@ def evaluate_eagle(model, head, windows: torch.Tensor, features: torch.Tensor, c
     """On windows not trained on: how often the head's top-1, and its top-k, hold the target's own next choice."""
     if head.target_layers is not None:
         return evaluate_eagle3(head, windows, features, choices, model, top_k)
-    head = head.float()
+    device = model.device  # the windows and features stay on the CPU; one window at a time goes to the model
+    head = head.float().to(device)
     length = windows.shape[1] - 1
-    positions, mask = whole_windows(length)
+    positions, mask = (tensor.to(device) for tensor in whole_windows(length))
     top1 = topk = covered = 0.0
     drafted = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-    drafted[head.vocab if len(head.vocab) else slice(None)] = True
+    drafted[head.vocab.cpu() if len(head.vocab) else slice(None)] = True
     for window, feature, choice in zip(windows, features, choices):
+        window, feature, choice = window.to(device), feature.to(device), choice.to(device)
         predicted = head(model.get_input_embeddings()(window[None, 1:]).float(), feature[None, :-1].float(),
                          positions, mask)[0]
         logits = model.get_output_embeddings()(predicted.to(model.dtype)).float()  # (n-1, vocab)
         goal = choice[1:, None]
         top1 += float((logits.argmax(-1, keepdim=True) == goal).float().sum())
         topk += float((logits.topk(top_k, dim=-1).indices == goal).any(-1).float().sum())
-        covered += float(drafted[choice[1:]].float().sum())
+        covered += float(drafted[choice[1:].cpu()].float().sum())
     positions_seen = len(windows) * length
     return {"top1": top1 / positions_seen, f"top{top_k}": topk / positions_seen, "positions": positions_seen,
             "draft_vocab": len(head.vocab), "choices_in_draft_vocab": covered / positions_seen, "recipe": "eagle1",
@@ -326,11 +328,13 @@ def evaluate_eagle3(head: Eagle3Head, windows: torch.Tensor, states: torch.Tenso
                     top_k: int = 5) -> dict:
     """evaluate_eagle for an EAGLE-3 head over the target's three layers' states (count, n, 3d); also its top-1
     per draft depth, unrolled on its own outputs (depths: the head's unrolled steps, at most 7)."""
-    head = head.float().eval()
+    device = model.device  # as evaluate_eagle: one window at a time goes to the model's device
+    head = head.float().eval().to(device)
     length = windows.shape[1] - 1
-    positions, mask = whole_windows(length)
+    positions, mask = (tensor.to(device) for tensor in whole_windows(length))
     top1 = topk = covered = 0.0
     for window, state, choice in zip(windows, states, choices):
+        window, state, choice = window.to(device), state.to(device), choice.to(device)
         output = head(model.get_input_embeddings()(window[None, 1:]).float(), head.fuse(state[None, :-1].float()),
                       positions, mask)[0]
         logits = head.vocab_logits(output)  # (n-1, vocab)
