@@ -306,8 +306,8 @@ def evaluate_eagle(model, head, windows: torch.Tensor, features: torch.Tensor, c
     length = windows.shape[1] - 1
     positions, mask = (tensor.to(device) for tensor in whole_windows(length))
     top1 = topk = covered = 0.0
-    drafted = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-    drafted[head.vocab.cpu() if len(head.vocab) else slice(None)] = True
+    drafted = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
+    drafted[head.vocab if len(head.vocab) else slice(None)] = True
     for window, feature, choice in zip(windows, features, choices):
         window, feature, choice = window.to(device), feature.to(device), choice.to(device)
         predicted = head(model.get_input_embeddings()(window[None, 1:]).float(), feature[None, :-1].float(),
@@ -316,7 +316,7 @@ def evaluate_eagle(model, head, windows: torch.Tensor, features: torch.Tensor, c
         goal = choice[1:, None]
         top1 += float((logits.argmax(-1, keepdim=True) == goal).float().sum())
         topk += float((logits.topk(top_k, dim=-1).indices == goal).any(-1).float().sum())
-        covered += float(drafted[choice[1:].cpu()].float().sum())
+        covered += float(drafted[choice[1:]].float().sum())
     positions_seen = len(windows) * length
     return {"top1": top1 / positions_seen, f"top{top_k}": topk / positions_seen, "positions": positions_seen,
             "draft_vocab": len(head.vocab), "choices_in_draft_vocab": covered / positions_seen, "recipe": "eagle1",

@@ -164,10 +164,11 @@ def out_of_time(started: float, max_minutes: float, accelerator) -> bool:
     process stops at the same step: the first process's clock decides for all."""
     if not max_minutes:
         return False
-    over = torch.tensor([float(time.perf_counter() - started >= max_minutes * 60)], device=accelerator.device)
-    if accelerator.num_processes > 1:
-        over = accelerator.reduce(over * float(accelerator.is_main_process), reduction="sum")
-    return bool(over.item())
+    over = time.perf_counter() - started >= max_minutes * 60
+    if accelerator.num_processes == 1:
+        return over
+    first_says = torch.tensor([float(over and accelerator.is_main_process)], device=accelerator.device)
+    return bool(accelerator.reduce(first_says, reduction="sum").item())
 
 
 def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
@@ -220,19 +221,16 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
         stepper.zero_grad(set_to_none=True)
         rows_done, stopped_at = rows_done + rows, step + 1
         stopping = out_of_time(started, scale.max_minutes, accelerator)
-        if not main:
-            if stopping:
-                break
-            continue
-        if checkpoint is not None and ((step + 1) % checkpointing.every == 0 or step + 1 == steps or stopping):
-            save_checkpoint(checkpoint, step + 1, checkpointing.settings, module, optimizer)
-        if progress is not None:
-            seconds = time.perf_counter() - started
-            means = {name: (total / own_rows).tolist() for name, total in sums.items()}  # the first process's rows
-            progress({"step": step + 1, "steps": steps, "seconds": seconds,
-                      "tokens_per_second": rows_done * tokens_per_row / seconds, **means})
-        if after_step is not None:
-            after_step(step + 1)
+        if main:
+            if checkpoint is not None and ((step + 1) % checkpointing.every == 0 or step + 1 == steps or stopping):
+                save_checkpoint(checkpoint, step + 1, checkpointing.settings, module, optimizer)
+            if progress is not None:
+                seconds = time.perf_counter() - started
+                means = {name: (total / own_rows).tolist() for name, total in sums.items()}  # the first's rows
+                progress({"step": step + 1, "steps": steps, "seconds": seconds,
+                          "tokens_per_second": rows_done * tokens_per_row / seconds, **means})
+            if after_step is not None:
+                after_step(step + 1)
         if stopping:
             break
     return {"resumed_at": start, "stopped_at": stopped_at, "seconds": time.perf_counter() - started,

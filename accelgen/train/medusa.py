@@ -107,15 +107,15 @@ def evaluate_medusa(model, medusa: MedusaHeads, features: torch.Tensor, choices:
     places on (features (count, n, d), choices (count, n))."""
     positions, targets = head_targets(choices, len(medusa))
     lm_head = medusa.lm_head(model)
-    top1 = torch.zeros(len(medusa))
-    topk = torch.zeros(len(medusa))
+    top1 = torch.zeros(len(medusa), device=model.device)
+    topk = torch.zeros(len(medusa), device=model.device)
     for start in range(0, len(positions), chunk):
         rows = slice(start, start + chunk)
         # the features stay on the CPU; a chunk at a time goes to the model's device
         chunk_features = features[positions[rows, 0], positions[rows, 1]].to(model.device)
         logits = lm_head(medusa(chunk_features))  # (K, b, vocab)
         goal = targets[rows].T[..., None].to(model.device)  # (K, b, 1)
-        top1 += (logits.argmax(-1, keepdim=True) == goal).float().sum((1, 2)).cpu()
-        topk += (logits.topk(top_k, dim=-1).indices == goal).any(-1).float().sum(1).cpu()
+        top1 += (logits.argmax(-1, keepdim=True) == goal).float().sum((1, 2))
+        topk += (logits.topk(top_k, dim=-1).indices == goal).any(-1).float().sum(1)
     return [{"head": k + 1, "offset": k + 2, "top1": float(top1[k]) / len(positions),
              f"top{top_k}": float(topk[k]) / len(positions)} for k in range(len(medusa))]
