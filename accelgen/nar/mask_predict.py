@@ -7,7 +7,8 @@ unmasked ones; the length predictor learns N alongside.
 
 Decoding, for each of the `length_candidates` most likely lengths N: start from N masks and predict them all;
 then for iterations t = 1 .. T-1, re-mask the n = N·(T−t)/T tokens predicted with the lowest probability and
-predict those again (the others keep their token and probability). The candidate with the highest average
+predict those again (the others keep their token and probability); an iteration that re-masks nothing (short
+targets: N·(T−t) < T) costs no pass. The candidate with the highest average
 log-probability is the output.
 """
 
@@ -94,6 +95,8 @@ def mask_predict(model: CMLMModel, src_ids: torch.Tensor, src_mask: torch.Tensor
         else:
             remask = lowest_confidence_positions(confidence, target_mask,
                                                  remask_count(lengths, iteration, iterations))
+            if not remask.any():  # N·(T−t)/T < 1 for every candidate: the pass would change nothing
+                continue
         predicted, log_probs = predict_masked(model, torch.where(remask, MASK, tokens), target_mask, memory, src_mask)
         tokens = torch.where(remask, predicted, tokens)
         confidence = torch.where(remask, log_probs, confidence)

@@ -71,6 +71,26 @@ def test_decoding_remasks_exactly_the_lowest_confidence_tokens(seeded, tiny_conf
     assert output == [tokens[best][target_mask[best]].tolist()]
 
 
+def test_an_iteration_that_remasks_nothing_costs_no_pass(seeded, tiny_config, monkeypatch):
+    """N = 3, T = 10: t = 7, 8, 9 re-mask 3·(10−t)/10 = 0 tokens, so 7 passes, and the output is the last pass's."""
+    model = seeded(CMLMModel, tiny_config())
+    monkeypatch.setattr(model.backbone, "length_logits",
+                        lambda memory, src_mask: torch.tensor([[0.0, 0.0, 9.0, 0.0]]))  # length 3
+    calls = []
+
+    def fake_pass(model, tokens, target_mask, memory, src_mask):
+        calls.append(tokens.clone())
+        step = len(calls)
+        return torch.full(tokens.shape, 10 + step), torch.full(tokens.shape, -1.0 / step)  # later: more confident
+
+    monkeypatch.setattr(cmlm, "predict_masked", fake_pass)
+    output = mask_predict(model, torch.tensor([[5, 6, 7]]), torch.tensor([[True] * 3]), iterations=10,
+                          length_candidates=1)
+    assert [int((tokens == MASK).sum()) for tokens in calls] == [3, 2, 2, 2, 1, 1, 1]
+    # ties go to the earlier position: passes 4-7 re-mask {0, 1}, {2}, {0}, {1}, and t = 7..9 change nothing
+    assert output == [[16, 17, 15]]
+
+
 def test_training_masks_between_one_and_all_real_tokens(seeded, tiny_config):
     model = seeded(CMLMModel, tiny_config())
     tgt, tgt_mask = pad_sequences([[5, 6, 7, 8, 9, 10], [5], [6, 7, 8]] * 50)
