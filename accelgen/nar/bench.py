@@ -206,24 +206,34 @@ def rows_of(pairs: list[tuple[str, str]], vocabulary, max_source_len: int) -> di
     return {"src": src, "src_mask": src_mask}
 
 
-def plot_quality_speed(rows: list[dict], path, metric: str = "bleu_teacher") -> None:
-    """Quality (metric) against the speedup over the AR student at batch 1, one point per model."""
+QUALITY_METRICS = ("bleu_teacher", "chrf_teacher", "bleu_docstring", "chrf_docstring")
+
+
+def plot_quality_speed(rows: list[dict], path) -> None:
+    """Quality against the speedup over the AR student at batch 1, one point per model, one panel per metric the
+    rows have (against the teacher's summaries, then the docstrings)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 5))
-    for row in [row for row in rows if metric in row]:
-        axes.scatter(row.get("speedup_latency", 1.0), row[metric])
-        axes.annotate(row["model"], (row.get("speedup_latency", 1.0), row[metric]), textcoords="offset points",
-                      xytext=(4, 4), fontsize=8)
-    axes.axvline(1.0, color="grey", linewidth=0.8)
-    axes.set_xlabel("speedup over the AR student (batch 1 latency)")
-    axes.set_ylabel(metric.replace("_", " "))
-    axes.set_title("NAR models on code summaries: quality against speed")
+    metrics = [metric for metric in QUALITY_METRICS if any(metric in row for row in rows)]
+    columns = min(len(metrics), 2)
+    rows_of_panels = (len(metrics) + columns - 1) // columns
+    figure, panels = plt.subplots(rows_of_panels, columns, figsize=(7 * columns, 5 * rows_of_panels), squeeze=False)
+    for axes, metric in zip(panels.flat, metrics):
+        for row in [row for row in rows if metric in row]:
+            axes.scatter(row.get("speedup_latency", 1.0), row[metric])
+            axes.annotate(row["model"], (row.get("speedup_latency", 1.0), row[metric]), textcoords="offset points",
+                          xytext=(4, 4), fontsize=8)
+        axes.axvline(1.0, color="grey", linewidth=0.8)
+        axes.set_xlabel("speedup over the AR student (batch 1 latency)")
+        axes.set_ylabel(metric.replace("_", " against the ").replace("bleu", "BLEU").replace("chrf", "chrF"))
+    for axes in list(panels.flat)[len(metrics):]:
+        axes.set_visible(False)
+    figure.suptitle("NAR models on code summaries: quality against speed")
     figure.tight_layout()
     from accelgen.atomic import write_atomically
 
-    write_atomically(path, lambda partial: figure.savefig(partial, format="png", dpi=120))
+    write_atomically(path, lambda partial: figure.savefig(partial, format="png", dpi=110))
     plt.close(figure)
