@@ -218,7 +218,7 @@ def plot_quality_speed(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     metrics = [metric for metric in QUALITY_METRICS if any(metric in row for row in rows)]
-    columns = min(len(metrics), 2)
+    columns = min(len(metrics), 2) or 1
     rows_of_panels = (len(metrics) + columns - 1) // columns
     figure, panels = plt.subplots(rows_of_panels, columns, figsize=(7 * columns, 5 * rows_of_panels), squeeze=False)
     for axes, metric in zip(panels.flat, metrics):
