@@ -8,8 +8,7 @@ unmasked ones; the length predictor learns N alongside.
 Decoding, for each of the `length_candidates` most likely lengths N: start from N masks and predict them all;
 then for iterations t = 1 .. T-1, re-mask the n = N·(T−t)/T tokens predicted with the lowest probability and
 predict those again (the others keep their token and probability); an iteration that re-masks nothing (short
-targets: N·(T−t) < T) costs no pass. The candidate with the highest average
-log-probability is the output.
+targets: N·(T−t) < T) costs no pass. The candidate with the highest average log-probability is the output.
 """
 
 from __future__ import annotations
