@@ -3,7 +3,9 @@
 Nothing here is a rule of thumb: the format table is the probe behind `weights="auto"` (accelgen/models/probe.py,
 t(1) and t(8) per format), and the method is what `auto` picks uncalibrated from the costs measured in the
 chosen formats (accelgen/costs.py, accelgen/drafters/auto.py). Both are measured once per machine and cached,
-so a second call prints at once. `advice_markdown` renders the README's section of the same name.
+so a second call prints at once. `advice_markdown` renders the README's section of the same name. On a GPU the
+format is bf16 without a probe (accelgen/models/probe.py: the probe times CPU formats), and the method is chosen
+from the costs measured on that GPU.
 """
 
 from __future__ import annotations
@@ -13,22 +15,30 @@ from accelgen import hardware
 ASSUMED_TOKENS_PER_VERIFY = 3.0  # what an 8-token verification yields with a useful draft (τ of the benchmarks)
 
 
-def advise(model: str, draft: str | None = None, threads: int | None = None) -> dict:
-    """{"machine", "model", "draft", "target", "draft_choice", "method"}: what weights="auto" picks for the target
-    (and draft), with the timings, and the method `auto` picks uncalibrated in those formats, with its reason."""
+def advise(model: str, draft: str | None = None, threads: int | None = None, device=None) -> dict:
+    """{"machine", "device", "model", "draft", "target", "draft_choice", "method"}: what weights="auto" picks for
+    the target (and draft) on `device` (None: the CPU), with the timings, and the method `auto` picks uncalibrated
+    in those formats there, with its reason."""
     from accelgen.drafters.auto import uncalibrated_choice
-    from accelgen.models.loading import check_source, load_model
-    from accelgen.models.probe import choose_weights
+    from accelgen.models.loading import check_source, load_model, resolve_device
+    from accelgen.models.probe import choose_weights, device_choice
 
+    target_device = resolve_device(device)
     for name in (model, draft):
         if name:
             check_source(name)  # before any format is probed
-    target = choose_weights(model, threads)
-    draft_choice = choose_weights(draft, threads) if draft else None
-    target_model, _ = load_model(model, weights=target["weights"], threads=threads)
-    draft_model = load_model(draft, weights=draft_choice["weights"], threads=threads)[0] if draft else None
-    return {"machine": hardware.describe(threads), "model": model, "draft": draft, "target": target,
-            "draft_choice": draft_choice, "method": uncalibrated_choice(target_model, draft_model)}
+    if target_device.type == "cpu":
+        target = choose_weights(model, threads)
+        draft_choice = choose_weights(draft, threads) if draft else None
+    else:
+        target = device_choice(target_device)
+        draft_choice = device_choice(target_device) if draft else None
+    target_model, _ = load_model(model, weights=target["weights"], threads=threads, device=target_device)
+    draft_model = (load_model(draft, weights=draft_choice["weights"], threads=threads, device=target_device)[0]
+                   if draft else None)
+    return {"machine": hardware.describe(threads), "device": hardware.describe_device(target_device), "model": model,
+            "draft": draft, "target": target, "draft_choice": draft_choice,
+            "method": uncalibrated_choice(target_model, draft_model)}
 
 
 def format_rows(timings: dict[str, dict]) -> list[dict]:
@@ -44,24 +54,32 @@ def advice_markdown(advice: dict) -> str:
     """The README section: the machine, the measured format table, the choices and the command to run."""
     model, draft, method = advice["model"], advice["draft"], advice["method"]
     target_weights = advice["target"]["weights"]
+    device = advice.get("device", {"type": "cpu"})  # older advice was for the CPU
+    on_gpu = device["type"] != "cpu"
+    device_flag = f" --device {device['device']}" if on_gpu else ""
     lines = [
-        f"Measured by `accelgen advise --model {model}" + (f" --draft {draft}" if draft else "") + "` on "
-        f"{hardware.flags_text(advice['machine'])}, {advice['machine']['torch_threads']} threads.",
+        f"Measured by `accelgen advise --model {model}" + (f" --draft {draft}" if draft else "") + device_flag + "` on "
+        f"{hardware.flags_text(advice['machine'])}, {advice['machine']['torch_threads']} threads"
+        + (f", on {hardware.device_text(device)}." if on_gpu else "."),
         "",
-        f"| weights | t(1) ms | t(8) ms | r(8) = t(8)/t(1) | tokens/s, plain | tokens/s, drafts yielding "
-        f"{ASSUMED_TOKENS_PER_VERIFY:g} per verification |",
-        "|---|---|---|---|---|---|",
     ]
-    for row in format_rows(advice["target"]["timings"]):
-        lines.append(f"| {row['weights']} | {row['t1_ms']:.0f} | {row['t8_ms']:.0f} | {row['r8']:.2f} | "
-                     f"{row['plain_tps']:.1f} | {row['drafted_tps']:.1f} |")
-    lines += ["", f"- **Target format**: `weights=auto` picks `{target_weights}` for {model}."]
+    if advice["target"]["timings"]:
+        lines += [f"| weights | t(1) ms | t(8) ms | r(8) = t(8)/t(1) | tokens/s, plain | tokens/s, drafts yielding "
+                  f"{ASSUMED_TOKENS_PER_VERIFY:g} per verification |",
+                  "|---|---|---|---|---|---|"]
+        for row in format_rows(advice["target"]["timings"]):
+            lines.append(f"| {row['weights']} | {row['t1_ms']:.0f} | {row['t8_ms']:.0f} | {row['r8']:.2f} | "
+                         f"{row['plain_tps']:.1f} | {row['drafted_tps']:.1f} |")
+        lines.append("")
+    lines.append(f"- **Target format**: `weights=auto` picks `{target_weights}` for {model}"
+                 + (f": {advice['target']['reason']}." if not advice["target"]["timings"] else "."))
     if draft:
         draft_choice = advice["draft_choice"]
         speeds = ", ".join(f"{row['weights']} {row['plain_tps']:.1f}" for row in format_rows(draft_choice["timings"]))
-        lines.append(f"- **Draft format**: `{draft_choice['weights']}` for {draft} (tokens/s: {speeds}).")
+        lines.append(f"- **Draft format**: `{draft_choice['weights']}` for {draft}"
+                     + (f" (tokens/s: {speeds})." if speeds else "."))
     lines.append(f"- **Method**: uncalibrated, `auto` picks `{method['method']}`: {method['reason']}.")
-    command = f"accelgen generate -m {model} --weights {target_weights}"
+    command = f"accelgen generate -m {model}{device_flag} --weights {target_weights}"
     if draft:
         command += f" -d {draft} --draft-weights {advice['draft_choice']['weights']}"
     lines += ["", "```bash", f"{command} --method auto \"...\"", "```"]

@@ -89,8 +89,9 @@ def compact(cache: DynamicCache, keep: torch.Tensor, layers: range | None = None
     """
     for layer in _chosen(cache, layers):
         if layer.is_initialized:
-            layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
-            layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
+            keep = keep.to(layer.keys.device, non_blocking=True)  # (a host-built index: no wait for the device)
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
 
 
 def _chosen(cache: DynamicCache, layers: range | None) -> list[DynamicLayer]:

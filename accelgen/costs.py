@@ -3,10 +3,11 @@
 A draft of γ tokens pays only if the tokens it is expected to add outweigh what it costs: drafting (γ·c, c =
 drafting one token over one decoding step) plus verifying γ + 1 tokens instead of 1 (r(γ+1), r(k) = t(k) / t(1)
 with t(k) the time of one target forward over k tokens). r(k) decides everything and differs by machine: ≈1.15
-at k = 8 where the CPU multiplies bf16 natively, ≈6 on an AVX2-only CPU. So forward times are measured once
-per model, weight format and machine (`forward_seconds`, cached as JSON under the cache folder's `costs/`), and
-`DraftBudget` turns them into each step's draft length: the γ with the best predicted speedup from r(k), c and
-the running acceptance α, and 0 — plain decoding — when no length pays.
+at k = 8 where the CPU multiplies bf16 natively, ≈6 on an AVX2-only CPU, and differs again on a GPU. So forward
+times are measured once per model, weight format, machine and device (`forward_seconds`, cached as JSON under the
+cache folder's `costs/`; a GPU's apart, by the GPU's name, so that a GPU run never reads CPU timings or the
+reverse), and `DraftBudget` turns them into each step's draft length: the γ with the best predicted speedup from
+r(k), c and the running acceptance α, and 0 — plain decoding — when no length pays.
 """
 
 from __future__ import annotations
@@ -65,8 +66,17 @@ def costs_folder() -> Path:
 
 
 def costs_path(model, threads: int | None = None) -> Path:
-    """The cache file of this model in its weight format on this machine (CPU, speed flags, threads, torch)."""
-    return costs_folder() / hardware.machine_key(threads) / f"{model_key(model)}-{model_format(model)}.json"
+    """The cache file of this model in its weight format on this machine (CPU, speed flags, threads, torch) and the
+    device it runs on: costs/MACHINE/MODEL-FORMAT.json on the CPU, costs/MACHINE/GPU/MODEL-FORMAT.json on a GPU
+    (GPU: its name, e.g. cuda-nvidia-h200)."""
+    folder = costs_folder() / hardware.machine_key(threads)
+    device = hardware.device_key(model_device(model))
+    return (folder if device is None else folder / device) / f"{model_key(model)}-{model_format(model)}.json"
+
+
+def model_device(model):
+    """The device the model runs on (a model without one, as some test doubles: the CPU)."""
+    return getattr(model, "device", None)
 
 
 def time_forwards(model, batch: int, sizes: list[int]) -> dict[int, float]:
@@ -77,7 +87,9 @@ def time_forwards(model, batch: int, sizes: list[int]) -> dict[int, float]:
     def progress(k: int) -> None:
         print(f" {k}", end="", file=sys.stderr, flush=True)
 
-    print(f"accelgen: timing forwards of {model_key(model)} ({model_format(model)}) once on this machine, "
+    device = model_device(model)
+    where = "this machine" if hardware.device_key(device) is None else f"{device} ({hardware.device_name(device)})"
+    print(f"accelgen: timing forwards of {model_key(model)} ({model_format(model)}) once on {where}, "
           f"{batch} sequence(s) of k tokens, k =", end="", file=sys.stderr, flush=True)
     try:
         return batch_forward_seconds(model, timing_prompt(model, CONTEXT_TOKENS), batch, sizes, REPEATS, progress)
@@ -113,6 +125,7 @@ def forward_seconds(model, batch: int = 1, sizes=SIZES, *, threads: int | None =
         table[batch] = known
         save_costs(costs_path(model, threads), {"model": model_key(model), "format": model_format(model),
                                                 "machine": hardware.describe(threads),
+                                                "device": hardware.describe_device(model_device(model)),
                                                 "context_tokens": CONTEXT_TOKENS, "seconds": table})
     return dict(sorted(known.items()))
 
@@ -161,7 +174,8 @@ class DraftBudget:
     """
 
     def __init__(self, verify_ratio: dict[int, float], cost_ratio: float = 0.0, max_length: int = MAX_DRAFT, *,
-                 learn_cost: bool = True, fixed_nodes: int = 0, prior_alpha: float = PRIOR_ALPHA):
+                 learn_cost: bool = True, fixed_nodes: int = 0, prior_alpha: float = PRIOR_ALPHA, device=None):
+        self.device = device  # where the drafts and the target run: their timings wait for it (hardware.synchronize)
         self.verify_ratio = partial(interpolate, verify_ratio)  # tokens per forward -> r
         self.longest_measured = max(verify_ratio)  # tokens per forward; r(k) beyond it is extrapolated
         self.cost_ratio = cost_ratio
@@ -217,7 +231,7 @@ def measured_budget(target_model, draft_model=None, max_length: int = MAX_DRAFT,
     if cost_ratio is None:
         cost_ratio = 0.0 if draft_model is None else draft_cost_ratio(target_model, draft_model)
     return DraftBudget(verify_ratios(target_model), cost_ratio, max_length, learn_cost=drafts_with_model,
-                       fixed_nodes=fixed_nodes)
+                       fixed_nodes=fixed_nodes, device=model_device(target_model))
 
 
 class BudgetedDrafter:
@@ -253,15 +267,23 @@ class BudgetedDrafter:
         self._drafting = limit > 0
         if not self._drafting:
             return Draft.empty()
+        self._wait_for_device()
         started = time.perf_counter()
         inner_steps = getattr(self.inner, "draft_steps", None)
         if inner_steps is not None:
             draft = yield from inner_steps(context, limit)
         else:
             draft = self.inner.propose(context, limit)
+        self._wait_for_device()
         self._drafted_at = time.perf_counter()
         self._draft_seconds = self._drafted_at - started
         return draft
+
+    def _wait_for_device(self) -> None:
+        """Before a clock is read for the cost the budget learns: the device's queued work done. Only then: a
+        model-free draft's cost is not learnt, and its steps keep their one host read."""
+        if self.draft_budget.learn_cost:
+            hardware.synchronize(self.draft_budget.device)
 
     def update(self, draft: Draft, verdict, target_logits) -> None:
         drafting, typical = self._drafting, self._drafted_before
@@ -270,6 +292,7 @@ class BudgetedDrafter:
         if not drafting:
             return
         if typical:
+            self._wait_for_device()
             step_seconds = time.perf_counter() - self._drafted_at
             self.draft_budget.observe(len(draft), len(verdict.accepted), self._draft_seconds, step_seconds)
         else:

@@ -128,6 +128,15 @@ def _build_tree_attention(parents: list[int], prefix: int) -> torch.Tensor:
     return allowed
 
 
+def to_device(values, device) -> torch.Tensor:
+    """Host-built ids (a list of ints or a CPU tensor) on `device`, (n,) long, without waiting for it: torch's
+    plain host-to-device copy first waits until the device has finished all its queued work, a non-blocking one
+    only stages the host memory (so the list may be dropped at once). Indexing a device tensor with a Python list
+    makes the blocking kind: index with these instead."""
+    ids = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+    return ids.to(device, non_blocking=True)
+
+
 def children(parents: torch.Tensor) -> dict[int, list[int]]:
     """Map node (ROOT for the root) -> its children in order."""
     result: dict[int, list[int]] = {ROOT: []}

@@ -23,7 +23,8 @@ from accelgen.draft import Draft, keep_accepted, tree_attention
 from accelgen.drafters.base import BuildContext
 from accelgen.hf import Settings, generation_settings
 from accelgen.models.batch import batched_forward, forward_alone, forward_together
-from accelgen.models.runner import ModelRunner, runner_for
+from accelgen.models.engines import runner_for
+from accelgen.models.runner import ModelRunner
 from accelgen.registry import check_option, get_method
 from accelgen.processors import build_pipeline
 from accelgen.prompts import encode_prompt, eos_token_ids, prompt_rows
@@ -307,7 +308,7 @@ class Sequence:
               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, no_repeat_ngram_size: int = 0,
               min_new_tokens: int = 0, bad_words_ids: list[list[int]] | None = None,
               logits_processors: list | None = None, logprobs: int | None = None, output_scores: bool = False,
-              response_format: dict | None = None, eos_ids: set[int] | None = None,
+              response_format: dict | None = None, eos_ids: set[int] | None = None, cache: str = "auto",
               **method_options) -> "Sequence":
         """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input.
 
@@ -318,7 +319,8 @@ class Sequence:
         logprobs=k records each committed token's log-probability and top k alternatives; output_scores=True
         the processed scores. With a seed, lossless methods sample per position (verify_gumbel).
         eos_ids: the tokens that end generation (None: the model's and the tokenizer's, `eos_token_ids`);
-        min_new_tokens bans them and the grammar of response_format ends with them."""
+        min_new_tokens bans them and the grammar of response_format ends with them. cache: the target's KV cache,
+        "auto" (static with CUDA graphs on a GPU, else dynamic), "static" or "dynamic" (models/engines.py)."""
         spec = get_method(method)
         draft_budget = method_options.pop("draft_budget", "method")
         if draft_budget not in DRAFT_BUDGETS:
@@ -334,12 +336,16 @@ class Sequence:
         sampling = SamplingConfig(temperature, top_k, top_p)
         if not sampling.greedy and not spec.can_sample:
             raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
-        generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        # on the model's device: its samplers draw there (torch refuses a CPU generator for CUDA probabilities)
+        generator = torch.Generator(getattr(model, "device", "cpu"))
+        generator.manual_seed(seed if seed is not None else torch.seed())
         prompt_ids = encode_prompt(tokenizer, prompt)
         if spec.runner and not isinstance(model, torch.nn.Module):
             raise ValueError(f"method {method!r} runs the model's layers itself and needs a PyTorch model; load it "
                              "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
-        target = spec.runner.make(model, running) if spec.runner else runner_for(model)
+        if spec.runner and cache == "static":
+            raise ValueError(f"method {method!r} keeps the KV cache its own way; it cannot take cache='static'")
+        target = spec.runner.make(model, running) if spec.runner else runner_for(model, cache)
         target.keep_hidden = spec.reads_target_hidden
         if len(prompt_ids) >= target.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
@@ -418,7 +424,8 @@ class Sequence:
         self.stats.draft_seconds += time.perf_counter() - started
         uncached = self.context[self.target.length :]  # the drafting forward (PaSS) may have cached the prompt
         tree = None if draft.is_chain else tree_attention(draft.parents, prefix=len(uncached))
-        input_ids = torch.cat([uncached, draft.tokens])
+        # a draft model's tokens may stay on its device: the host's part joins them there, without a read
+        input_ids = torch.cat([uncached.to(draft.tokens.device, non_blocking=True), draft.tokens])
         # BiTA / SPACE: mask embeddings after the draft's nodes, read for the next draft (none when no step follows)
         if room > 0 and self.drafter.drafts_in_verify \
                 and len(self.context) + len(draft) + self.drafter.mask_depth < self.target.max_positions:
@@ -478,6 +485,7 @@ class Sequence:
     def finish(self) -> GenerationResult:
         """Release per-request drafter state and return the result (also for a sequence cut short)."""
         self.drafter.close()  # e.g. a shared trie's prompt branches
+        self.target.close()  # e.g. a static cache's slot, for the next sequence
         output = self.output
         stats = self.stats.as_dict(len(output.token_ids))
         stats.update(self.target.describe())  # early exit: the layers decoding went through

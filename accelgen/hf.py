@@ -33,13 +33,13 @@ SAME_NAMES = {"max_new_tokens": None, "top_k": None, "top_p": None, "repetition_
               "no_repeat_ngram_size": 0, "min_new_tokens": 0, "bad_words_ids": None, "output_scores": False}
 # fields read under another name or meaning (config_arguments), and arguments only transformers' generate takes
 TRANSLATED = ("do_sample", "temperature", "max_length", "stop_strings", "eos_token_id", "pad_token_id",
-              "num_assistant_tokens", "num_assistant_tokens_schedule", "prompt_lookup_num_tokens",
+              "cache_implementation", "num_assistant_tokens", "num_assistant_tokens_schedule", "prompt_lookup_num_tokens",
               "max_matching_ngram_size", "logits_processor", "assistant_model")
 HF_ARGUMENTS = ("assistant_model", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
                 "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
                 "assistant_tokenizer")
 # fields that change how transformers runs, not which tokens come out (the last one shapes what hf.generate returns)
-NO_EFFECT = ("use_cache", "cache_implementation", "cache_config", "max_cache_len", "compile_config", "disable_compile",
+NO_EFFECT = ("use_cache", "cache_config", "max_cache_len", "compile_config", "disable_compile",
              "prefill_chunk_size", "continuous_batching_config", "bos_token_id", "decoder_start_token_id",
              "is_assistant", "low_memory", "transformers_version", "_from_model_config", "return_dict_in_generate")
 # what to use instead of a field or argument accelgen cannot honour
@@ -178,6 +178,8 @@ def config_arguments(values: dict, method: str, from_model: set[str] = frozenset
         arguments["stop"] = values["stop_strings"]
     if values.get("assistant_model") is not None:
         arguments["draft_model"] = values["assistant_model"]
+    if values.get("cache_implementation") is not None:
+        arguments["cache"] = cache_choice(values["cache_implementation"])
     options = get_method(method).options
     renamed = {"num_assistant_tokens": "gamma", "num_assistant_tokens_schedule": "gamma_schedule",
                "prompt_lookup_num_tokens": "draft_length", "max_matching_ngram_size": "max_ngram"}
@@ -194,6 +196,15 @@ def config_arguments(values: dict, method: str, from_model: set[str] = frozenset
             value = GAMMA_SCHEDULES[value]
         arguments[name] = value
     return arguments
+
+
+def cache_choice(cache_implementation: str) -> str:
+    """transformers' cache_implementation as accelgen's cache: "static" is accelgen's static cache (with CUDA graphs
+    on a GPU), "dynamic" its growing one; HF's other caches (offloaded, quantized, sliding) have no counterpart."""
+    if cache_implementation in ("static", "dynamic"):
+        return cache_implementation
+    raise ValueError(f"cache_implementation={cache_implementation!r}: accelgen keeps a 'static' or a 'dynamic' KV "
+                     f"cache (its cache= argument)")
 
 
 # --- the drop-in -------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ A step scores the root and every draft node in one forward; each row must be pro
 row 0 follows the committed context, row i+1 the committed context plus the tree path down to node i. The
 pipeline groups the rows by depth (equal context lengths) and runs each stage once per group. A lossless method
 then verifies against processed rows, so it stays exact against plain decoding with the same processors.
+
+Everything a stage builds lives on the scores' device: the pipeline moves each row's context there (without
+waiting for the device) before the stages see it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor
 from transformers.generation.logits_process import (
-    MinNewTokensLengthLogitsProcessor,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
 
-from accelgen.draft import ROOT, Draft
+from accelgen.draft import ROOT, Draft, to_device
 
 # a user's processor: (context_ids (n,) long, logits (vocab,) float32) -> logits (vocab,)
 RowProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,9 +41,22 @@ class PenaltiesByCount:
         self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_length :]  # (k, L - prompt)
+        generated = input_ids[:, self.prompt_length :].to(scores.device, non_blocking=True)  # (k, L - prompt)
         counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
         return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
+class MinNewTokens:
+    """transformers' min_new_tokens rule: the EOS tokens are banned until that many tokens are generated. (Its own
+    processor keeps the EOS ids on the CPU, which a GPU's scores refuse.)"""
+
+    def __init__(self, prompt_length: int, min_new_tokens: int, eos: list[int]):
+        self.prompt_length, self.min_new_tokens, self.eos = prompt_length, min_new_tokens, torch.tensor(eos)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] - self.prompt_length >= self.min_new_tokens:  # shapes only: no read
+            return scores
+        return scores.index_fill(1, to_device(self.eos, scores.device), float("-inf"))
 
 
 class EachRow:
@@ -69,7 +84,9 @@ class LogitsPipeline:
         self.stages = stages
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """input_ids (k, L) long, scores (k, vocab) -> (k, vocab) float32 processed scores (a new tensor)."""
+        """input_ids (k, L) long, scores (k, vocab) -> (k, vocab) float32 processed scores (a new tensor), on the
+        scores' device (input_ids are moved there)."""
+        input_ids = input_ids.to(scores.device, non_blocking=True)
         scores = scores.float().clone()  # some HF stages write in place
         for stage in self.stages:
             scores = stage(input_ids, scores)
@@ -83,13 +100,14 @@ class LogitsPipeline:
         """context (L,) long committed tokens, logits (n+1, vocab): row 0 after the root, row i+1 after draft node
         i -> (n+1, vocab) processed, each row with the context of its own tree path."""
         paths = tree_paths(draft)  # row r -> the draft tokens between the root and row r's position
-        processed = torch.empty(logits.shape, dtype=torch.float32)
+        processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         by_depth: dict[int, list[int]] = {}
         for row, path in enumerate(paths):
             by_depth.setdefault(len(path), []).append(row)
         for rows in by_depth.values():
             ids = torch.stack([torch.cat([context, torch.tensor(paths[row], dtype=torch.long)]) for row in rows])
-            processed[rows] = self(ids, logits[rows])
+            rows = to_device(rows, logits.device)
+            processed.index_copy_(0, rows, self(ids, logits.index_select(0, rows)))
         return processed
 
 
@@ -120,7 +138,7 @@ def build_pipeline(*, prompt_length: int, eos_token_ids: set[int], vocab_size: i
     if bad_words_ids is not None:
         stages.append(bad_words_stage(bad_words_ids, eos, vocab_size))
     if min_new_tokens > 0 and eos:
-        stages.append(MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, eos))
+        stages.append(MinNewTokens(prompt_length, min_new_tokens, eos))
     if presence_penalty or frequency_penalty:
         stages.append(PenaltiesByCount(prompt_length, float(presence_penalty), float(frequency_penalty)))
     for processor in logits_processors or []:

@@ -7,6 +7,11 @@ With a seed, randomness is drawn per POSITION: the token at absolute position p 
 g_p Gumbel noise from a stream derived from (seed, p) alone (the Gumbel-max trick: an exact sample of p). So a
 seeded request's tokens do not depend on how many random numbers drafts and verification used before them:
 they are the same whatever the method, the draft length or the batch (see accelgen/verify/gumbel.py).
+
+Every draw happens on the device of the probabilities it samples and leaves its token there: reading a token back
+(`int(t)`, `.tolist()`) makes the host wait for the device, so callers read once per step what they need. The
+request's generator lives on the target's device (a CUDA `torch.Generator` cannot draw CPU numbers, nor the
+reverse); a draw whose probabilities sit elsewhere draws its noise on the generator's device and moves it.
 """
 
 from __future__ import annotations
@@ -66,8 +71,34 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from a (vocab,) distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from a (vocab,) distribution, read back to the host (reference paths and tests; decoding steps
+    keep `draw`'s token on the device)."""
+    return int(draw(probs, generator))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(..., vocab) probabilities (any positive scale per row) -> (...,) long: a token per row, drawn on the
+    probabilities' device without reading anything back.
+
+    torch.multinomial's own method for one sample: the exponential race argmax p / E, E ~ Exp(1) per token, which
+    picks token i with probability p_i. multinomial also checks that the probabilities are valid, a read that makes
+    the host wait for the device; this is the same draw without it (the same token from the same generator state).
+    """
+    return (probs / exponentials(probs, generator)).argmax(dim=-1)
+
+
+def exponentials(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) draws shaped, typed and placed as `like` (drawn on the generator's device, moved if it differs)."""
+    device = like.device if generator is None else generator.device
+    races = torch.empty(like.shape, dtype=like.dtype, device=device).exponential_(generator=generator)
+    return races.to(like.device)
+
+
+def uniforms(count: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(count,) U[0, 1) draws in like's dtype on like's device (drawn on the generator's device, moved if it
+    differs): the acceptance tests of speculative sampling."""
+    device = like.device if generator is None else generator.device
+    return torch.rand(count, generator=generator, dtype=like.dtype, device=device).to(like.device)
 
 
 def sampling_scores(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
@@ -80,28 +111,38 @@ def sampling_scores(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 
 
 class PositionNoise:
-    """Gumbel noise per absolute position: g_p (vocab,) float32 from a stream seeded by (seed, p) alone."""
+    """Gumbel noise per absolute position: g_p (vocab,) from a stream seeded by (seed, p) alone.
+
+    The noise is drawn on the device, and in the dtype (float32 at least), of the probabilities it perturbs, by a
+    generator of that device: each kind of device has its own stream, so a seed gives the same tokens across
+    methods, draft lengths and batches on one kind of device, not from a CPU to a GPU."""
 
     def __init__(self, seed: int, vocab_size: int):
         self.seed, self.vocab_size = seed, vocab_size
-        self.at = functools.lru_cache(maxsize=256)(self._draw)  # drafts and verification read the same positions
+        # drafts and verification read the same positions; a step reads at most its depth + 1 of them
+        self._draw_cached = functools.lru_cache(maxsize=64)(self._draw)
 
-    def _draw(self, position: int) -> torch.Tensor:
+    def at(self, position: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        """(vocab,) the noise of position, on like's device in like's dtype (float32 at least; CPU float32 without)."""
+        if like is None:
+            return self._draw_cached(position, torch.device("cpu"), torch.float32)
+        return self._draw_cached(position, like.device, torch.promote_types(like.dtype, torch.float32))
+
+    def rows(self, positions: list[int], like: torch.Tensor | None = None) -> torch.Tensor:
+        """(len(positions), vocab) the noise of each position, placed as `at` places it."""
+        return torch.stack([self.at(position, like) for position in positions])
+
+    def _draw(self, position: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         # numpy's SeedSequence mixes (seed, position) into a well-spread seed: nearby seeds give unrelated streams
         state = np.random.SeedSequence([self.seed % 2**64, position]).generate_state(2, np.uint32)
-        generator = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
-        # float64 uniforms on [0, 1): a 0 (odds 2^-53) gives -inf, never chosen; float32 would give one token in
-        # 2^24 an infinite score instead (an exponential_ draw of 0)
-        uniform = torch.rand(self.vocab_size, generator=generator, dtype=torch.float64)
-        return (-(-uniform.log()).log()).float()  # -log(-log U) is Gumbel(0, 1)
-
-    def rows(self, positions: list[int]) -> torch.Tensor:
-        """(len(positions), vocab) the noise of each position."""
-        return torch.stack([self.at(position) for position in positions])
+        generator = torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
+        uniform = torch.rand(self.vocab_size, generator=generator, dtype=dtype, device=device)
+        # -log(-log U) is Gumbel(0, 1); a U of 0 gives -inf, a token never chosen (U < 1: no +inf)
+        return -(-uniform.log()).log()
 
 
 def gumbel_choice(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """(k, vocab) probabilities (after temperature, top-k, top-p) and (k, vocab) Gumbel noise -> (k,) long:
-    argmax(log p + g), an exact sample of p when g is fresh Gumbel noise. The noise is drawn on the CPU (the same
-    stream on every device) and moved to the probabilities' device."""
+    """(k, vocab) probabilities (after temperature, top-k, top-p) and (k, vocab) Gumbel noise (or one (vocab,) row
+    for all) -> (k,) long: argmax(log p + g), an exact sample of p when g is fresh Gumbel noise, left on the
+    probabilities' device."""
     return (probs.log() + noise.to(probs.device)).argmax(dim=-1)

@@ -113,11 +113,12 @@ class GrammarConstraint:
         """input_ids (k, L) long, scores (k, vocab) float32 -> scores with disallowed tokens at -inf."""
         import xgrammar
 
+        # the matcher runs on the host: it reads the rows' tokens and fills a host bitmask, then sent to the scores
         bitmask = xgrammar.allocate_token_bitmask(len(scores), scores.shape[-1])  # (k, ceil(vocab/32)): all allowed
-        for row, ids in enumerate(input_ids):
-            if self.move_to(ids[self.prompt_length :].tolist()):
+        for row, ids in enumerate(input_ids.tolist()):
+            if self.move_to(ids[self.prompt_length :]):
                 self.matcher.fill_next_token_bitmask(bitmask, row)
-        xgrammar.apply_token_bitmask_inplace(scores, bitmask)
+        xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True))
         return scores
 
     def move_to(self, tokens: list[int]) -> bool:

@@ -14,6 +14,7 @@ import time
 from typing import Callable
 
 from accelgen.atomic import write_json_atomically
+from accelgen.hardware import synchronize
 from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
 from accelgen.generate import generate
 from accelgen.models.loading import beside_weights
@@ -25,8 +26,10 @@ def seconds_per_token(model, tokenizer, prompts: list[list[int]], max_new_tokens
     """(seconds per new token, tokens per target forward) over the calibration prompts."""
     seconds = tokens = forwards = 0
     for prompt_ids in prompts:
+        synchronize(model.device)  # on a GPU, the clock waits for the queued work
         started = time.perf_counter()
         result = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, **method)
+        synchronize(model.device)
         seconds += time.perf_counter() - started
         tokens += len(result.token_ids)
         forwards += result.stats["target_forwards"]

@@ -72,3 +72,35 @@ def test_advise_command_prints_the_section(folders, measured_costs):
     assert "| weights | t(1) ms" in result.output and "`auto` picks" in result.output
     missing = CliRunner().invoke(app, ["advise", "--model", f"{target}-missing"])
     assert missing.exit_code == 2 and "no model at" in " ".join(missing.output.split())
+
+
+def test_advice_on_a_gpu_needs_no_format_table(folders, measured_costs, monkeypatch):
+    """On a GPU the format is bf16 without a probe (it times CPU formats): the section says why, names the GPU and
+    puts --device in the command. Here the CPU stands in for the GPU, so that its costs can be faked."""
+    from accelgen import advice as advice_module
+    from accelgen.models import loading
+
+    target, draft = folders
+    monkeypatch.setattr(probe, "choose_weights", lambda *args, **kwargs: pytest.fail("probed the CPU formats"))
+    monkeypatch.setattr(loading, "resolve_device", lambda device: FakeGpu())
+    gpu = {"type": "cuda", "device": "cuda:0", "name": "NVIDIA H200", "cuda": "12.8", "driver": None, "torch": "2.13"}
+    monkeypatch.setattr(advice_module.hardware, "describe_device", lambda device: gpu)
+    monkeypatch.setattr(loading, "load_model", lambda name, **kwargs: (loaded.setdefault(name, kwargs), None))
+    monkeypatch.setattr("accelgen.drafters.auto.uncalibrated_choice",
+                        lambda target_model, draft_model: {"method": "speculative", "reason": "measured on the GPU"})
+    loaded = {}
+    advice = advise(target, draft, device="cuda")
+    assert advice["target"]["weights"] == "bf16" and advice["draft_choice"]["weights"] == "bf16"
+    assert loaded[target]["device"] == loaded[draft]["device"] and loaded[draft]["weights"] == "bf16"
+    markdown = advice_markdown(advice)
+    assert "| weights |" not in markdown and "without a probe" in markdown and "NVIDIA H200" in markdown
+    assert f"accelgen generate -m {target} --device cuda:0 --weights bf16 -d {draft} --draft-weights bf16" in markdown
+
+
+class FakeGpu:
+    """A device of type cuda, for code that only asks the type."""
+
+    type = "cuda"
+
+    def __str__(self):
+        return "cuda:0"

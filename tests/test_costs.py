@@ -182,6 +182,42 @@ def test_another_machine_measures_again(measured_costs, tiny_target, monkeypatch
     assert len(measured) == 2 and "another-cpu" in str(costs.costs_path(tiny_target))
 
 
+def test_a_gpu_never_reads_the_cpus_timings_nor_the_reverse(measured_costs, tiny_target, monkeypatch):
+    measured = measured_costs({tiny_target: (0.02, AVX2)})
+    on_cpu = costs.costs_path(tiny_target)
+    assert verify_ratios(tiny_target)[8] == pytest.approx(5.9) and len(measured) == 1
+    assert json.loads(on_cpu.read_text())["device"] == {"type": "cpu"}
+    # the same model on a GPU (as if: the key asks the model's device and the GPU's name)
+    monkeypatch.setattr(costs, "model_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(hardware, "describe_device", lambda device: {"type": "cuda", "name": "NVIDIA H200"})
+    on_gpu = costs.costs_path(tiny_target)
+    assert on_gpu != on_cpu and on_gpu.parent.name == "cuda-nvidia-h200" and on_gpu.name == on_cpu.name
+    verify_ratios(tiny_target)
+    assert len(measured) == 2  # measured on the GPU, not read from the CPU's file
+    assert json.loads(on_gpu.read_text())["device"]["name"] == "NVIDIA H200"
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    assert costs.costs_path(tiny_target).parent.name == "cuda-nvidia-a100-sxm4-80gb"  # another GPU, another file
+
+
+@pytest.mark.parametrize("cost_ratio, waits", [(0.1, 5), (None, 0)], ids=["draft-model", "model-free"])
+def test_a_budget_times_its_drafts_after_the_device_is_done(measured_costs, tiny_target, monkeypatch, cost_ratio,
+                                                            waits):
+    """A draft model's drafting and the step are timed between synchronizations of the target's device (no-ops on
+    the CPU): before and after each drafting, and before a typical step's end. A model-free draft's cost is not
+    learnt, so its steps wait for nothing."""
+    measured_costs({tiny_target: (0.02, FLAT)})
+    waited = []
+    monkeypatch.setattr(hardware, "synchronize", lambda device: waited.append(device))
+    budget = costs.measured_budget(tiny_target, cost_ratio=cost_ratio)
+    assert budget.device == tiny_target.device
+    budgeted = BudgetedDrafter(FakeDrafter(), budget)
+    for _ in range(2):  # the second step is a typical one: its whole step is timed
+        draft = budgeted.propose(torch.tensor(PROMPT), max_nodes=4)
+        budgeted.update(draft, Verdict(list(range(len(draft))), 3), None)
+    assert waited == [tiny_target.device] * waits
+
+
 def test_draft_cost_ratio_and_cached_profile(measured_costs, tiny_target, tiny_draft):
     measured_costs({tiny_target: (0.2, NATIVE_BF16), tiny_draft: (0.05, NATIVE_BF16)})
     assert draft_cost_ratio(tiny_target, tiny_draft) == pytest.approx(0.25)

@@ -1,5 +1,5 @@
-"""The processor pipeline: each tree row processed with its own path's context, OpenAI's penalties, user
-processors, and clear errors for bad settings."""
+"""The processor pipeline: each tree row processed with its own path's context, on the scores' device, OpenAI's
+penalties, user processors, and clear errors for bad settings."""
 
 import pytest
 import torch
@@ -75,6 +75,22 @@ def test_logits_are_not_changed_in_place():
     assert torch.equal(logits, torch.zeros(2, VOCAB))
 
 
+def test_rows_are_processed_on_the_scores_device():
+    """The host's contexts travel to the scores' device, and the processed rows stay there: on the `meta` device
+    (shapes without data) as on a GPU, every stage sees ids and scores on one device."""
+    devices = []
+
+    def record(ids, row):
+        devices.append((ids.device.type, row.device.type))
+        return row
+
+    stages = pipeline(repetition_penalty=1.3, presence_penalty=0.5, min_new_tokens=20, logits_processors=[record])
+    draft = Draft(torch.tensor([4, 5, 6]), torch.tensor([ROOT, 0, ROOT]))
+    processed = stages.tree_rows(torch.tensor([1, 2, 3, 7]), draft, torch.zeros(4, VOCAB, device="meta"))
+    assert processed.device.type == "meta" and processed.shape == (4, VOCAB)
+    assert set(devices) == {("meta", "meta")}
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number"),
@@ -96,3 +112,13 @@ def test_a_user_processor_returning_the_wrong_shape_is_named():
     stages = pipeline(logits_processors=[lambda ids, logits: logits[:3]])
     with pytest.raises(ValueError, match=r"must return a \(50,\) tensor"):
         stages.row(torch.tensor([1, 2]), torch.zeros(VOCAB))
+
+
+def test_min_new_tokens_bans_eos_as_transformers_does():
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    scores = torch.randn(2, VOCAB)
+    for context in (torch.tensor([[1, 2, 3, 7]] * 2), torch.tensor([[1, 2, 3, 7, 8, 9, 4, 4, 4, 4]] * 2)):
+        ours = pipeline(min_new_tokens=3).stages[0](context, scores)
+        theirs = MinNewTokensLengthLogitsProcessor(PROMPT_LENGTH, 3, [2])(context, scores)
+        assert torch.equal(ours, theirs)

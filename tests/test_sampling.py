@@ -65,3 +65,35 @@ def test_gumbel_choice_never_picks_an_excluded_token():
     probs = logits_to_probs(torch.randn(1, 50), SamplingConfig(temperature=1.0, top_k=3))
     chosen = {int(gumbel_choice(probs, PositionNoise(seed, 50).rows([0]))[0]) for seed in range(200)}
     assert chosen == set(probs[0].nonzero()[:, 0].tolist())
+
+
+# --- draws on the device of the probabilities -------------------------------------------------------------------
+
+
+def test_draw_is_multinomials_own_draw_left_on_the_device():
+    """draw() is torch.multinomial's one-sample method without its validity check (a read of the probabilities):
+    the same tokens from the same generator state, as a tensor rather than a number read back."""
+    from accelgen.sampling import draw
+
+    probs = torch.softmax(torch.randn(6, 300, generator=torch.Generator().manual_seed(0)), dim=-1)
+    drawn = draw(probs, torch.Generator().manual_seed(1))
+    expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1))[:, 0]
+    assert drawn.dtype == torch.long and drawn.shape == (6,) and torch.equal(drawn, expected)
+    unnormalised = draw(probs * 7.0, torch.Generator().manual_seed(1))  # each row's scale does not matter
+    assert torch.equal(unnormalised, expected)
+
+
+def test_draw_never_picks_an_excluded_token():
+    from accelgen.sampling import draw
+
+    probs = logits_to_probs(torch.randn(1, 50), SamplingConfig(temperature=1.0, top_k=3)).expand(500, -1)
+    assert set(draw(probs, torch.Generator().manual_seed(0)).tolist()) == set(probs[0].nonzero()[:, 0].tolist())
+
+
+def test_position_noise_is_drawn_in_the_probabilities_dtype():
+    from accelgen.sampling import PositionNoise
+
+    noise = PositionNoise(seed=3, vocab_size=100)
+    assert noise.at(7, like=torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
+    assert noise.at(7, like=torch.zeros(1, dtype=torch.float16)).dtype == torch.float32  # never coarser
+    assert torch.equal(noise.rows([7, 8], like=torch.zeros(1)), torch.stack([noise.at(7), noise.at(8)]))

@@ -5,7 +5,7 @@ One run returns a record: the new tokens, the wall time around the call, and wha
 its target forwards. For accelgen methods that is the loop's own stats; for HF's generate() a forward
 pre-hook on the target counts its forwards and reads the KV-cache length at each one, from which the tokens
 committed per forward follow (HF keeps the same invariant as accelgen: every committed token is cached except
-the newest).
+the newest). On a GPU every clock is read after the device has finished its queued work (hardware.synchronize).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from accelgen.hardware import synchronize
 from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
 from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
 from accelgen.bench.llamacpp import LlamaCppPeers
@@ -206,10 +207,12 @@ def run_method(
 def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
     if "references" in method.needs and not options.get("references"):
         options = {**options, "references": [prompt_ids]}  # benchmark prompts carry no documents: see PROMPT_RESOURCES
+    synchronize(model.device)
     started = time.perf_counter()
     result = generate(model, tokenizer, prompt_ids, method=method.registered_name,
                                draft_model=draft_model, max_new_tokens=max_new_tokens,  # `auto` may use it
                                temperature=temperature, seed=seed, **options)
+    synchronize(model.device)
     seconds = time.perf_counter() - started
     stats = result.stats
     return generation_record(
@@ -231,8 +234,10 @@ def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens,
     counter = ForwardCounter(model)
     torch.manual_seed(seed)  # HF samples from torch's global generator
     try:
+        synchronize(model.device)
         started = time.perf_counter()
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        synchronize(model.device)
         seconds = time.perf_counter() - started
     finally:
         counter.remove()
@@ -317,10 +322,12 @@ class ForwardTimer:
 
     def _before(self, module, args):
         if module is self.model:
+            synchronize(module.device)  # the target's queued work is not the draft's
             self._started = time.perf_counter()
 
     def _after(self, module, args, output):
         if module is self.model:
+            synchronize(module.device)
             self.seconds += time.perf_counter() - self._started
 
     def remove(self) -> None:

@@ -156,6 +156,7 @@ def run_description(results: dict) -> list[str]:
         f"- date: {meta['date']}" + (f" (resumed {len(results['resumed'])}×)" if results["resumed"] else ""),
         f"- machine: {hardware.flags_text(machine) if 'flags' in machine else machine['cpu'] + '; flags: n/a (not recorded by this older run)'}; "
         f"{machine['logical_cores']} logical cores, {machine['torch_threads']} torch threads, {machine['system']}",
+        *device_line(meta.get("device")),
         f"- weights: target {meta.get('weights', meta['dtype'])}" + (f", draft {meta['draft_weights']}" if meta.get("draft_weights") else "")
         + "; rows with a format of their own say so in the weights column",
         *gguf_line(meta.get("gguf_files")),
@@ -167,6 +168,13 @@ def run_description(results: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def device_line(device: dict | None) -> list[str]:
+    """The GPU a run ran on, with its CUDA and driver versions (a CPU run, or an older one, has no such line)."""
+    if not device or device.get("type") == "cpu":
+        return []
+    return [f"- device: {hardware.device_text(device)}"]
 
 
 def gguf_line(files: dict | None) -> list[str]:

@@ -29,10 +29,11 @@ from accelgen.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
 from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
-from accelgen.models.loading import check_weights, load_model
+from accelgen.models.loading import check_weights, load_model, resolve_device
 from accelgen.models.timing import forward_seconds
 
 RUN_FILE, RECORDS_FILE, AUDITS_FILE, EXECUTIONS_FILE = "run.json", "records.jsonl", "audits.jsonl", "executions.jsonl"
+ADDED_SETTINGS = {"device": "cpu"}  # settings a run saved before they existed had, to resume it
 WARMUP_TOKENS = 8
 COST_REPEATS = 5
 
@@ -58,10 +59,14 @@ class BenchConfig:
     prompt_format: str = "auto"
     options: dict[str, dict] = field(default_factory=dict)  # method -> {option: value}
     warmup: bool = True
+    device: str = "cpu"  # where the target and every draft run: cpu, cuda, cuda:N or auto
 
     def validate(self) -> None:
         check_weights(self.weights)
         check_weights(self.draft_weights)
+        resolve_device(self.device)  # a device that is not there, before any model loads
+        if self.on_gpu and "gguf" in (self.weights, self.draft_weights):
+            raise ValueError(f"weights=gguf runs on llama.cpp's CPU engine only, not on {self.device}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -70,6 +75,10 @@ class BenchConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
+
+    @property
+    def on_gpu(self) -> bool:
+        return resolve_device(self.device).type != "cpu"
 
 
 @dataclass
@@ -88,11 +97,23 @@ def plan(config: BenchConfig) -> Plan:
     config.validate()
     resources = PROMPT_RESOURCES | ({"draft_model"} if config.draft else set())
     methods, notes = resolve_methods(config.methods, resources, config.temperature, config.options)
+    if config.on_gpu:
+        methods, notes = without_cpu_rows(methods, notes, config)
     options = {m.name: m.check_options(m.given_options(config.options)) for m in methods}
     prompts = load_dataset(config.dataset, config.limit, config.categories)
     if not prompts:
         raise ValueError(f"dataset {config.dataset!r} gave no prompts")
     return Plan(config, prompts, methods, options, notes, check_gguf(config, methods))
+
+
+def without_cpu_rows(methods: list[BenchMethod], notes: list[str], config: BenchConfig) -> tuple[list, list[str]]:
+    """A run on a GPU without llama.cpp's rows, which run on the CPU: named, they are an error; else left out."""
+    cpu_rows = [m.name for m in methods if m.source == "llamacpp" or "gguf" in (m.weights, m.draft_weights)]
+    if cpu_rows and config.methods is not None:
+        raise ValueError(f"{', '.join(cpu_rows)} run{'s' * (len(cpu_rows) == 1)} on llama.cpp's CPU engine only, "
+                         f"not on {config.device}: leave {'it' if len(cpu_rows) == 1 else 'them'} out")
+    skipped = [f"skipping {name}: llama.cpp runs on the CPU only, this run on {config.device}" for name in cpu_rows]
+    return [m for m in methods if m.name not in cpu_rows], notes + skipped
 
 
 def check_gguf(config: BenchConfig, methods: list[BenchMethod]) -> dict:
@@ -125,6 +146,7 @@ def run(
 ) -> Path:
     """Run (or resume) the benchmark into out_dir; returns out_dir. progress(record, records) after each record."""
     config = plan.config
+    check_devices(config, model, draft_model)
     torch.set_num_threads(config.threads)
     prompt_ids = [prompt_token_ids(tokenizer, p, config.prompt_format) for p in plan.prompts]
     identity = run_identity(plan, prompt_ids)
@@ -166,6 +188,15 @@ def run(
     return out_dir
 
 
+def check_devices(config: BenchConfig, model, draft_model) -> None:
+    """The models given are on the run's device (what run.json records, and where its other rows load)."""
+    device = resolve_device(config.device)
+    for what, each in (("target", model), ("draft model", draft_model)):
+        if each is not None and torch.device(each.device) != device:
+            raise ValueError(f"the {what} is on {each.device} but the run's device is {device}: load it there "
+                             f"(load_model(..., device={str(device)!r}))")
+
+
 def generate(plan: Plan, method: BenchMethod, models: "RowModels", tokenizer, prompt_ids, max_new_tokens, seed=0) -> dict:
     return run_method(method, models.target(method), tokenizer, prompt_ids, draft_model=models.draft(method),
                       max_new_tokens=max_new_tokens, temperature=plan.config.temperature, seed=seed,
@@ -192,11 +223,11 @@ class RowModels:
             weights = self.weights_of(method)
             if weights not in self.targets:
                 self.targets[weights] = load_model(config.model, dtype=config.dtype, weights=weights,
-                                                            threads=config.threads)[0]
+                                                   threads=config.threads, device=config.device)[0]
             key = self.draft_key(method)
             if key[0] is not None and uses_draft(method) and key not in self.drafts:
                 self.drafts[key] = load_model(key[0], dtype=config.draft_dtype, weights=key[1],
-                                                       threads=config.threads)[0]
+                                              threads=config.threads, device=config.device)[0]
 
     def weights_of(self, method: BenchMethod) -> str:
         return method.weights or self.main_weights
@@ -270,7 +301,8 @@ def shuffled(methods: list, index: int) -> list:
 def run_identity(plan: Plan, prompt_ids: list[list[int]]) -> dict:
     """The configuration, resolved: what must match for records to be resumed."""
     fingerprint = hashlib.sha256(json.dumps([[p.id for p in plan.prompts], prompt_ids]).encode()).hexdigest()[:16]
-    config = {**asdict(plan.config), "methods": [m.name for m in plan.methods], "options": plan.options}
+    config = {**asdict(plan.config), "methods": [m.name for m in plan.methods], "options": plan.options,
+              "device": str(resolve_device(plan.config.device))}  # the device "auto" or "cuda" meant
     del config["warmup"]  # does not change what is measured
     methods = {m.name: {"source": m.source, "family": m.family, "lossless": m.lossless, "needs": list(m.needs),
                         "summary": m.summary} for m in plan.methods}
@@ -289,7 +321,8 @@ def open_run(out_dir: Path, identity: dict, overwrite: bool) -> dict | None:
             raise ValueError(f"{out_dir} holds records but no {RUN_FILE}; use --overwrite or another --out")
         return None
     saved = json.loads(path.read_text())
-    differing = [key for key in identity["config"] if saved["config"].get(key) != identity["config"][key]]
+    differing = [key for key in identity["config"]
+                 if saved["config"].get(key, ADDED_SETTINGS.get(key)) != identity["config"][key]]
     if saved.get("prompts_fingerprint") != identity["prompts_fingerprint"]:
         differing.append("prompts")
     if differing:
@@ -347,6 +380,7 @@ def describe_run(command: str | None, model, draft_model) -> dict:
         "command": command,
         "date": now(),
         "machine": hardware.describe(),
+        "device": hardware.describe_device(model.device),  # cpu, or the GPU with its CUDA and driver versions
         "versions": {"accelgen": importlib.metadata.version("accelgen"), "torch": torch.__version__, "transformers": transformers.__version__},
         "dtype": audit.dtype_name(model.dtype),
         "draft_dtype": audit.dtype_name(draft_model.dtype) if draft_model is not None else None,

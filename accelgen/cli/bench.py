@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
-from accelgen.cli.common import DTYPE_HELP, console, reported_errors, require_modules, table_console
+from accelgen.cli.common import DEVICE_OPTION, DTYPE_HELP, console, reported_errors, require_modules, table_console
 from accelgen.method_options import parse_method_options, split_list
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 
@@ -67,6 +67,7 @@ def bench(
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP + " Rows may set their own: "
                                           "autoregressive@weights=int8."),
     draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
+    device: Optional[str] = DEVICE_OPTION,
     prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (dataset's choice), chat or raw."),
     option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable), e.g. -o speculative.gamma=8; it applies to the method's variants too, unless their name sets it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default: results/<dataset>-<model>)."),
@@ -88,7 +89,7 @@ def bench(
             weights=weights, draft_weights=draft_weights,
             methods=split_list(methods), limit=limit, categories=split_list(categories), max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, threads=threads, prompt_format=prompt_format,
-            options=parse_method_options(option), warmup=warmup,
+            options=parse_method_options(option), warmup=warmup, device=device or "cpu",
         )
         bench_plan = runner.plan(config)
         for note in bench_plan.notes:
@@ -108,17 +109,17 @@ def bench(
 
 
 def load_bench_models(config):
-    """(target, tokenizer, draft model or None) in the run's formats, on its fixed thread count."""
+    """(target, tokenizer, draft model or None) in the run's formats, on its device and fixed thread count."""
     from accelgen.models import load_model
 
-    with console.status(f"loading {config.model} …"):
+    with console.status(f"loading {config.model} on {config.device} …"):
         target_model, tokenizer = load_model(config.model, dtype=config.dtype, weights=config.weights,
-                                             threads=config.threads)
+                                             threads=config.threads, device=config.device)
     if not config.draft:
         return target_model, tokenizer, None
-    with console.status(f"loading {config.draft} …"):
+    with console.status(f"loading {config.draft} on {config.device} …"):
         draft_model = load_model(config.draft, dtype=config.draft_dtype, weights=config.draft_weights,
-                                 threads=config.threads)[0]
+                                 threads=config.threads, device=config.device)[0]
     return target_model, tokenizer, draft_model
 
 

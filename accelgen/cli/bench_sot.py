@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import (MODEL_HELP, THREADS_OPTION, console, load_with_progress, reported_errors,
-                                 require_modules, set_threads)
+from accelgen.cli.common import (DEVICE_OPTION, MODEL_HELP, THREADS_OPTION, console, load_with_progress,
+                                 reported_errors, require_modules, set_threads)
 
 
 def bench_sot(
@@ -29,6 +29,7 @@ def bench_sot(
     seed: int = typer.Option(0, help="Seeds the order of the runs and of the answers shown to the judge."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for results.json, report.md and sot.png."),
     threads: Optional[int] = THREADS_OPTION,
+    device: Optional[str] = DEVICE_OPTION,
 ):
     """Skeleton-of-Thought vs normal decoding: latency to the full answer, ROUGE-L, judged preference, router."""
     require_modules("matplotlib", "rouge_score")
@@ -42,13 +43,14 @@ def bench_sot(
 
     set_threads(threads)
     settings = {"model": model, "weights": weights, "router": str(router) if router else None, "judge": judge,
-                "judge_weights": judge_weights, "max_new_tokens": max_new_tokens, "seed": seed}
+                "judge_weights": judge_weights, "max_new_tokens": max_new_tokens, "seed": seed,
+                **({"device": device} if device not in (None, "cpu") else {})}  # a CPU run's settings as before
     with reported_errors():
         prompts = ([*load_dataset("sharegpt", limit=sharegpt)] if sharegpt else []) + \
                   ([*load_dataset("humaneval", limit=humaneval)] if humaneval else [])
         rows = earlier_rows(out / "results.json", settings)
-        target_model, tokenizer = load_with_progress(model, None, weights)
-        judge_model, judge_tokenizer = load_with_progress(judge, None, judge_weights)
+        target_model, tokenizer = load_with_progress(model, None, weights, device)
+        judge_model, judge_tokenizer = load_with_progress(judge, None, judge_weights, device)
         setup = Setup(target_model, tokenizer, None if router is None else SkeletonRouter.load(router, target_model),
                       judge_model, judge_tokenizer, content_free_bias(judge_model, judge_tokenizer), max_new_tokens)
         with console.status("warming up …"):
@@ -92,7 +94,7 @@ def report(content: dict) -> str:
     command = (f"accelgen bench-sot --model {settings['model']} --weights {settings['weights']}{router} "
                f"--judge {settings['judge']} "
                f"--judge-weights {settings['judge_weights']} --max-new-tokens {settings['max_new_tokens']} "
-               f"--seed {settings['seed']}")
+               f"--seed {settings['seed']}" + (f" --device {settings['device']}" if settings.get("device") else ""))
     machine = content["machine"]
     lines = ["# Skeleton-of-Thought vs normal decoding", "",
              f"Measured by `{command}` on {flags_text(machine)}, {machine['torch_threads']} threads.", "",

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import THREADS_OPTION, console, load_prompts, load_with_progress, reported_errors, set_threads
+from accelgen.cli.common import (DEVICE_OPTION, THREADS_OPTION, console, load_prompts, load_with_progress,
+                                 reported_errors, set_threads)
 
 
 def calibrate(
@@ -23,6 +24,7 @@ def calibrate(
                                    help="Candidate thresholds, tested from the highest down."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
     threads: Optional[int] = THREADS_OPTION,
+    device: Optional[str] = DEVICE_OPTION,
 ):
     """Choose calm's threshold with Learn-then-Test: agreement with the full model within epsilon, with probability 1 − delta."""
     from accelgen.datasets import prompt_token_ids
@@ -36,7 +38,7 @@ def calibrate(
         raise typer.BadParameter(f"thresholds must be numbers separated by commas, not {thresholds!r}") from None
     chosen = load_prompts(dataset)[-prompts:]
     set_threads(threads)
-    target_model, tokenizer = load_with_progress(model, dtype)
+    target_model, tokenizer = load_with_progress(model, dtype, device=device)
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
 
     def show(row: dict) -> None:

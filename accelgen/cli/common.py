@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
+from accelgen.models.loading import DEVICE_HELP, DRAFT_WEIGHTS_HELP, WEIGHTS_HELP, resolve_device
 from accelgen.train.loop import is_main_process
 
 console = Console(stderr=True, quiet=not is_main_process())  # under `accelerate launch`, the first process speaks
@@ -22,6 +22,21 @@ DTYPE_HELP = "float32, bfloat16 or float16 (default: bfloat16 for embedded model
 WEIGHTS_OPTION = typer.Option(None, "--weights", help=WEIGHTS_HELP)
 DRAFT_WEIGHTS_OPTION = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP)
 THREADS_OPTION = typer.Option(None, min=1, help="torch CPU threads (default: torch's).")
+
+
+def check_device(device: Optional[str]) -> Optional[str]:
+    """--device, resolved as it is parsed ("auto" and "cuda" become the device they mean, "cuda:0"): a device that
+    is not there ends the command at once, before any model loads (exit status 2)."""
+    if device is None:
+        return None
+    try:
+        return str(resolve_device(device))
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+DEVICE_OPTION = typer.Option(None, "--device", help=DEVICE_HELP, callback=check_device)  # a draft model goes there too
+
 # Reported in one line, not a traceback: bad input, a file that is not there, a model that cannot run; and where
 # the command reads and writes files of its own, any error of theirs
 INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, RuntimeError)
@@ -59,12 +74,13 @@ def set_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] = None):
+def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] = None, device: Optional[str] = None):
     from accelgen.models import EMBEDDED_MODELS, load_model
 
     try:
-        with console.status(f"loading {name}{f' ({weights})' if weights else ''} …"):
-            return load_model(name, dtype=dtype, weights=weights)
+        where = f" on {device}" if device else ""
+        with console.status(f"loading {name}{f' ({weights})' if weights else ''}{where} …"):
+            return load_model(name, dtype=dtype, weights=weights, device=device)
     except (ValueError, OSError) as error:  # no such model, a format it cannot run, a hub it cannot reach
         hint = "" if isinstance(error, ValueError) else f" (embedded models: {', '.join(EMBEDDED_MODELS)})"
         console.print(f"[red]error:[/red] cannot load {name!r}: {error}{hint}")
@@ -72,10 +88,10 @@ def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] =
 
 
 def load_target_and_draft(model: str, dtype: Optional[str], weights: Optional[str], draft: Optional[str],
-                          draft_dtype: Optional[str], draft_weights: Optional[str]):
-    """(target, tokenizer, draft model or None), each loaded with a spinner."""
-    target_model, tokenizer = load_with_progress(model, dtype, weights)
-    draft_model = load_with_progress(draft, draft_dtype, draft_weights)[0] if draft else None
+                          draft_dtype: Optional[str], draft_weights: Optional[str], device: Optional[str] = None):
+    """(target, tokenizer, draft model or None), each loaded with a spinner, both on `device` (None: the CPU)."""
+    target_model, tokenizer = load_with_progress(model, dtype, weights, device)
+    draft_model = load_with_progress(draft, draft_dtype, draft_weights, device)[0] if draft else None
     return target_model, tokenizer, draft_model
 
 

@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_OPTION, console, reported_errors, \
-    set_threads
+from accelgen.cli.common import DEVICE_OPTION, FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_OPTION, console, \
+    reported_errors, set_threads
 
 data_app = typer.Typer(no_args_is_help=True, help="Training data made by the target.")
 
@@ -31,6 +31,7 @@ def regenerate(
     shard_prompts: int = typer.Option(16, "--shard-prompts", min=1,
                                       help="Prompts per shard: a stopped run loses at most one shard's work."),
     weights: Optional[str] = WEIGHTS_OPTION,
+    device: Optional[str] = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
 ):
     """Answer a dataset's prompts with the target (batched), into resumable shards; then train on them with
@@ -53,7 +54,7 @@ def regenerate(
         if weights not in (None, "auto"):
             opened_manifest(out, RegenerateSettings(weights=weights, **check))
         with console.status(f"loading {model}{f' ({weights})' if weights else ''} …"):
-            target_model, tokenizer = load_model(model, weights=weights, threads=threads)
+            target_model, tokenizer = load_model(model, weights=weights, threads=threads, device=device)
         settings = RegenerateSettings(weights=model_format(target_model), **check)
     with reported_errors(FILE_ERRORS), progress_bar(len(prompts), "answering prompts") as show:
         summary = regenerate_answers(target_model, tokenizer, prompts, out, settings,

@@ -8,8 +8,9 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import (DRAFT_WEIGHTS_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION, console,
-                                 format_options, load_target_and_draft, reported_errors, set_threads)
+from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION,
+                                 WEIGHTS_OPTION, console, format_options, load_target_and_draft, reported_errors,
+                                 set_threads)
 from accelgen.method_options import parse_options
 
 
@@ -31,6 +32,7 @@ def generate(
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
+    device: Optional[str] = DEVICE_OPTION,
     option: list[str] = typer.Option([], "--option", "-o", help="Method option name=value (repeatable), e.g. -o gamma=8."),
     as_json: bool = typer.Option(False, "--json", help="Print text, token_ids, finish_reason and stats as one JSON object."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is committed."),
@@ -47,7 +49,7 @@ def generate(
         options = spec.check_options({**parse_options(option, spec.options), **({"heads": heads} if heads else {})})
         spec.check_needs(draft_model=draft, how="--draft")  # before loading the target, which may take a while
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
-                                                                     draft_weights)
+                                                                     draft_weights, device)
         request = [{"role": "user", "content": prompt}] if chat else prompt
         kwargs = dict(method=method, draft_model=draft_model, max_new_tokens=max_new_tokens, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, stop=stop, **options)

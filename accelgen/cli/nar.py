@@ -19,8 +19,8 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_HELP, console, reported_errors, \
-    set_threads
+from accelgen.cli.common import DEVICE_OPTION, FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_HELP, check_device, \
+    console, reported_errors, set_threads
 from accelgen.nar.task import SUMMARY_MAX_NEW_TOKENS
 
 nar_app = typer.Typer(no_args_is_help=True, help="Non-autoregressive models: code-summary data, generation, benchmark.")
@@ -102,6 +102,7 @@ def distill(
     max_new_tokens: int = typer.Option(SUMMARY_MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1),
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP + " Default auto: the fastest measured here "
                                 "(prefill dominates; on some CPUs bf16 prefill is several times slower than fp32)."),
+    device: Optional[str] = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
 ):
     """The teacher's greedy one-line summaries (resumable shards under TASK/teacher/): the NAR models' targets."""
@@ -119,7 +120,7 @@ def distill(
         loaded = load_task(task)  # (also: a clear error for a folder that is no task)
         total = sum(len(loaded.splits[split][:limit]) for split in splits)
         with console.status(f"loading {teacher} …"):
-            model, tokenizer = load_model(teacher, weights=weights, threads=threads)
+            model, tokenizer = load_model(teacher, weights=weights, threads=threads, device=device)
         settings = RegenerateSettings(model=teacher, dataset=REQUEST_NAME, weights=model_format(model),
                                       max_new_tokens=max_new_tokens, batch_size=batch_size)
     with reported_errors(FILE_ERRORS), progress_bar(total, "teacher summaries") as show:
@@ -184,6 +185,8 @@ def bench(
                                           "answering the distillation request (e.g. qwen2.5-coder-0.5b): speedups "
                                           "against it too. " + MODEL_HELP),
     weights: str = typer.Option("auto", "--weights", help="The teacher's weights. " + WEIGHTS_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help="Where the teacher runs: cpu, cuda, cuda:N or auto "
+                                         "(default: cpu); the NAR models run on the CPU.", callback=check_device),
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads (default: torch's)."),
 ):
     """BLEU/chrF against the teacher and the docstrings, decoder passes, latency at batch 1, throughput at batch 32,
@@ -220,7 +223,7 @@ def bench(
         timed_teacher = None
         if teacher:
             with console.status(f"loading the teacher {teacher} …"):
-                teacher_model, teacher_tokenizer = load_model(teacher, weights=weights, threads=threads)
+                teacher_model, teacher_tokenizer = load_model(teacher, weights=weights, threads=threads, device=device)
             settings = RegenerateSettings(model=teacher, dataset=REQUEST_NAME, weights=model_format(teacher_model),
                                           max_new_tokens=SUMMARY_MAX_NEW_TOKENS, batch_size=batch_size)
             timed_teacher = teacher_run(f"teacher ({teacher}, {settings.weights})", teacher_model, teacher_tokenizer,

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from accelgen.cli.common import (DRAFT_WEIGHTS_OPTION, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION, console,
-                                 load_target_and_draft, set_threads, table_console)
+from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION,
+                                 console, load_target_and_draft, set_threads, table_console)
 
 
 def profile(
@@ -19,6 +19,7 @@ def profile(
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
+    device: Optional[str] = DEVICE_OPTION,
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens", help="A one-off profile (not cached): "
                                                  "the KV-cache length the forwards run after (default 256)."),
     sizes: Optional[str] = typer.Option(None, help="A one-off profile (not cached): block sizes k to time, "
@@ -53,7 +54,8 @@ def profile(
                                                            batch_sizes)
     if min(block_sizes + batches) < 1 or context_tokens < 1 or not all(0 <= alpha <= 1 for alpha in acceptance):
         raise typer.BadParameter("sizes and --context-tokens must be >= 1, acceptance rates within [0, 1]")
-    target_model, _, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype, draft_weights)
+    target_model, _, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype, draft_weights,
+                                                         device)
     if one_off:
         with console.status("profiling …") as status:
             result = measure(target_model, draft_model, context_tokens=context_tokens, sizes=block_sizes,
@@ -63,6 +65,7 @@ def profile(
         result = cached_profile(target_model, draft_model, batches, threads=threads, remeasure=remeasure)
     add_predictions(result, acceptance, draft_model is not None, batches)
     result["weights"] = model_format(target_model)
+    result["device"] = str(target_model.device)
     if as_json:
         print(json.dumps({**result, "weights_auto": cached_choice(model, threads)}, indent=1))
         return
@@ -93,12 +96,14 @@ def print_profile(result: dict, model: str, draft: Optional[str], threads: Optio
     from accelgen.models.probe import probe_report
 
     out = table_console()
-    if (report := probe_report(model, threads)) is not None:
+    on_cpu = result["device"] == "cpu"
+    if on_cpu and (report := probe_report(model, threads)) is not None:  # the probe times CPU formats
         out.print(report)
     table = Table("k (tokens per forward)", "target forward (ms)", "r(k) = t(k) / t(1)")
     for k, seconds in result["target_seconds"].items():
         table.add_row(str(k), f"{seconds * 1000:.1f}", f"{result['verify_ratio'][k]:.2f}")
-    out.print(f"{model} ({result['weights']}): one forward over k tokens after {result['context_tokens']} cached tokens"
+    out.print(f"{model} ({result['weights']}{'' if on_cpu else ', ' + result['device']}): one forward over k tokens "
+              f"after {result['context_tokens']} cached tokens"
               + (f" (cached in {result['cache']}; --remeasure to measure again)" if "cache" in result else ""))
     out.print(table)
     predictions = [("model-free drafts (c = 0)", result["model_free_predictions"])]

@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import (DTYPE_HELP, MODEL_HELP, console, load_target_and_draft, reported_errors,
-                                 set_threads)
+from accelgen.cli.common import (DEVICE_OPTION, DTYPE_HELP, MODEL_HELP, console, load_target_and_draft,
+                                 reported_errors, set_threads)
 from accelgen.method_options import parse_method_options, split_list
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 
@@ -40,6 +40,7 @@ def serve(
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
     draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
+    device: Optional[str] = DEVICE_OPTION,
     threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's: info logs every request, warning does not."),
 ):
@@ -65,7 +66,7 @@ def serve(
             raise ValueError(f"options given for {', '.join(unserved)}, which this server does not serve ({', '.join(methods)})")
         options = {name: accelgen.get_method(name).check_options(options.get(name, {})) for name in methods}
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
-                                                                     draft_weights)
+                                                                     draft_weights, device)
         config = ServerConfig(model_name=model, model=target_model, tokenizer=tokenizer, draft_model=draft_model,
                               method=method, methods=options, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
                               max_tokens=max_tokens, max_concurrent=max_concurrent, shutdown_grace_seconds=shutdown_grace)
@@ -74,7 +75,9 @@ def serve(
         else:
             calibration = policy_calibration(target_model, draft_model, max_batch, max_draft)
             speculation = Goodput(max_draft=max_draft, calibration=calibration)  # runs on the engine's thread
-        engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, speculation=speculation)
+        engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, speculation=speculation,
+                        device=target_model.device)
         server_app = create_app(config, engine)
-    console.print(f"serving {model} on http://{host}:{port}/v1 — methods: {', '.join(methods)}")
+    console.print(f"serving {model} ({target_model.device}) on http://{host}:{port}/v1 — methods: "
+                  f"{', '.join(methods)}")
     run(server_app, host=host, port=port, log_level=log_level)  # on Ctrl-C or SIGTERM: see run()

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import (DTYPE_HELP, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION, console, load_with_progress,
-                                 reported_errors, set_threads)
+from accelgen.cli.common import (DEVICE_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION, console,
+                                 load_with_progress, reported_errors, set_threads)
 from accelgen.method_options import parse_options
 
 
@@ -20,6 +20,7 @@ def sot(
     model: str = typer.Option("qwen2.5-coder-0.5b", "--model", "-m", help=MODEL_HELP),
     weights: Optional[str] = WEIGHTS_OPTION,
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    device: Optional[str] = DEVICE_OPTION,
     router: Optional[Path] = typer.Option(None, "--router", help="A router folder from `accelgen train sot-router` "
                                           "(default: no router, SoT is always tried)."),
     method: str = typer.Option("autoregressive", "--method", help="The method every stage decodes with."),
@@ -42,7 +43,7 @@ def sot(
         check_question(question)  # before loading the model, which takes a while
         spec = accelgen.get_method(method)
         options = spec.check_options(parse_options(option, spec.options))
-        target_model, tokenizer = load_with_progress(model, dtype, weights)
+        target_model, tokenizer = load_with_progress(model, dtype, weights, device)
         chosen_router = None if router is None else SkeletonRouter.load(router, target_model)
         answer = generate(target_model, tokenizer, question, router=chosen_router, max_new_tokens=max_new_tokens,
                           skeleton_tokens=skeleton_tokens, method=method, temperature=0.0, **options)

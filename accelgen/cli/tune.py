@@ -7,9 +7,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from accelgen.cli.common import (DRAFT_WEIGHTS_OPTION, THREADS_OPTION, WEIGHTS_OPTION, console, format_options,
-                                 load_prompts, load_target_and_draft, reported_errors, require_modules, set_threads,
-                                 table_console)
+from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, THREADS_OPTION, WEIGHTS_OPTION, console,
+                                 format_options, load_prompts, load_target_and_draft, reported_errors, require_modules,
+                                 set_threads, table_console)
 
 
 def tune(
@@ -20,6 +20,7 @@ def tune(
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
+    device: Optional[str] = DEVICE_OPTION,
     dataset: str = typer.Option("humaneval", help="Calibration prompts (spread over the second half of this dataset); "
                                                   "auto saves its choice under this workload name."),
     prompts: int = typer.Option(3, help="Number of calibration prompts."),
@@ -39,7 +40,7 @@ def tune(
     chosen = calibration_prompts(load_prompts(dataset), prompts)
     set_threads(threads)
     target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
-                                                                 draft_weights)
+                                                                 draft_weights, device)
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
     with reported_errors((ValueError, RuntimeError)):
         if method == "auto":

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from accelgen.draft import to_device
 from accelgen.models.batch import forward_alone
-from accelgen.sampling import SamplingConfig, gumbel_choice, logits_to_probs, sample
+from accelgen.sampling import SamplingConfig, draw, gumbel_choice, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -32,34 +33,49 @@ class TokenChoice:
     greedy_probs: bool = False  # at temperature 0, also record the distribution (softmax at temperature 1)
     stop_tokens: frozenset[int] = frozenset()  # stop after one of these (the draft model's EOS)
 
-    def next_token(self, logits: torch.Tensor, sequence: list[int]) -> tuple[int, torch.Tensor | None, bool]:
-        """(token, the (vocab,) distribution recorded for it or None, whether drafting stops after it) at the
-        position after sequence (context + tokens drafted so far), from the (vocab,) logits there.
+    @property
+    def stops_early(self) -> bool:
+        """Whether drafting may end where the draft model doubts its token: then the loop reads each token's check
+        back, one host read a token, the price of skipping the forwards after it. (A stop token costs no read: the
+        draft runs on past it, rare as it is, and is cut after it once its tokens are read.)"""
+        return self.confidence_threshold > 0
 
-        The logits go through the request's processors with that sequence, as the target's do; when sampling, the
-        token is drawn from the distribution it records."""
+    def kept(self, tokens: list[int]) -> int:
+        """How many of the drafted tokens to keep: up to and with the first stop token."""
+        return next((i + 1 for i, token in enumerate(tokens) if token in self.stop_tokens), len(tokens))
+
+    def next_token(self, logits: torch.Tensor, sequence: torch.Tensor | None,
+                   position: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The draft token at absolute `position` from the (vocab,) logits there, all left on the logits' device:
+        (token (1,) long, the (vocab,) distribution recorded for it or None, (1,) bool whether the draft model doubts
+        it, drafting stopping after it, or None when the choice never stops early).
+
+        sequence: (position,) long, context + tokens drafted so far, for the request's processors (None without):
+        the logits go through them with that sequence, as the target's do; when sampling, the token is drawn from
+        the distribution it records."""
         if self.sampling.processors is not None:
-            logits = self.sampling.processors.row(torch.tensor(sequence), logits)
+            logits = self.sampling.processors.row(sequence, logits)
         if self.sampling.greedy:
-            token = int(logits.argmax())
-            confidence = float(torch.softmax(logits, -1)[token]) if self.confidence_threshold else 1.0
-            probs = torch.softmax(logits, -1) if self.greedy_probs else None
+            token = logits.argmax(dim=-1, keepdim=True)
+            probs = torch.softmax(logits, -1) if self.greedy_probs or self.confidence_threshold else None
+            recorded = probs if self.greedy_probs else None
         else:
-            probs = logits_to_probs(logits, self.sampling)
-            token = self.draw(probs, position=len(sequence))
-            confidence = float(probs[token])
+            probs = recorded = logits_to_probs(logits, self.sampling)
+            token = self.draw(probs, position)
+        if not self.stops_early:
+            return token, recorded, None
         # a draft the draft model itself doubts is likely rejected: stop there (a choice of the draft alone, so
         # verification stays exact)
-        return token, probs, confidence < self.confidence_threshold or token in self.stop_tokens
+        return token, recorded, probs.gather(0, token) < self.confidence_threshold
 
-    def draw(self, probs: torch.Tensor, position: int) -> int:
-        """A draft token for an absolute position from its (vocab,) sampling probabilities: with the seeded
-        per-position noise when there is one (the target's choice there whenever the two models agree), else a
-        sample from the generator."""
+    def draw(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """(1,) long: a draft token for an absolute position from its (vocab,) sampling probabilities, on their
+        device: with the seeded per-position noise when there is one (the target's choice there whenever the two
+        models agree), else a sample from the generator."""
         noise = self.sampling.noise
         if noise is None:
-            return sample(probs, self.generator)
-        return int(gumbel_choice(probs[None], noise.at(position)[None])[0])
+            return draw(probs[None], self.generator)
+        return gumbel_choice(probs[None], noise.at(position, like=probs))
 
 
 GREEDY = TokenChoice()
@@ -76,23 +92,33 @@ def decode_draft_steps(runner, cached_tokens: list[int], context: list[int], cou
     """Up to `count` draft tokens after context, one draft-model forward each, chosen by `choice`; fewer where
     the choice stops or the draft model's context (it may be shorter than the target's) has no room.
 
+    Each token stays on the device and is fed back as the next forward's input; the tokens are read back once,
+    at the end (and a choice that stops early reads its check each token).
+
     runner: the draft model's, its cache holding cached_tokens. Returns (tokens, (len(tokens), vocab) the
-    distributions recorded for them, or None when there are none). The cache then holds context + tokens[:-1]:
-    the last token needs no forward of its own, the next proposal's catch-up feeds it."""
+    distributions recorded for them, or None when there are none). The cache then holds context + the drafted
+    tokens but the last (past a stop token too: the next proposal's catch-up rolls them back); the last needs no
+    forward of its own, the next proposal's catch-up feeds it."""
     count = min(count, runner.max_positions - len(context))
     if count <= 0:
         return [], None
     logits = yield from catch_up_steps(runner, cached_tokens, context)
-    sequence, probs = list(context), []
+    # (L,) the context where the logits are, for the request's processors (None: no processors)
+    context_ids = None if choice.sampling.processors is None else to_device(context, logits.device)
+    drafted, probs = [], []  # (1,) long tokens and (vocab,) distributions, on the device
     while True:
-        token, token_probs, stop = choice.next_token(logits, sequence)
-        sequence.append(token)
+        sequence = None if context_ids is None else torch.cat([context_ids, *drafted])
+        token, token_probs, stop = choice.next_token(logits, sequence, position=len(context) + len(drafted))
+        drafted.append(token)
         if token_probs is not None:
             probs.append(token_probs)
-        if stop or len(sequence) == len(context) + count:
-            return sequence[len(context) :], torch.stack(probs) if probs else None
-        logits = yield runner, torch.tensor([token])
-        cached_tokens.append(token)
+        if len(drafted) == count or (stop is not None and bool(stop)):
+            break
+        logits = yield runner, token
+    tokens = torch.cat(drafted).tolist()  # the draft's one host read
+    cached_tokens.extend(tokens[:-1])  # every token but the last was fed
+    kept = choice.kept(tokens)
+    return tokens[:kept], torch.stack(probs[:kept]) if probs else None
 
 
 def catch_up(runner, cached_tokens: list[int], context: list[int]) -> torch.Tensor:

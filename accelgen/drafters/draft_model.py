@@ -27,7 +27,7 @@ from accelgen.draft import Draft, Verdict
 from accelgen.drafters.draft_decoding import TokenChoice, decode_draft_steps
 from accelgen.models.batch import forward_alone
 from accelgen.models.llamacpp import LlamaCppModel
-from accelgen.models.runner import runner_for
+from accelgen.models.engines import runner_for
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig

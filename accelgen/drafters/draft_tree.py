@@ -29,19 +29,26 @@ planned nodes, attending to their ancestors among the cached nodes (every node w
 its own level). The next proposal cuts the cache back to the committed context before catching up.
 
 What scores the tree is a *scorer*: `root_logits(context)` (None when it cannot draft yet) and
-`score(tokens, parents, nodes)`. `DraftModelScorer` runs a draft model; the EAGLE head (drafters/eagle.py) is
-another.
+`score(tokens, parents, nodes)`. `DraftModelScorer` runs a draft model; the EAGLE head (drafters/eagle.py) and
+Medusa's heads (drafters/medusa.py) are others.
+
+The drafted tokens stay on the device until the tree is done: each level picks the children of all its planned
+nodes at once (one batched top-k, or one batched draw per sibling rank) and feeds them to the next level's forward
+as they are. The host reads what it needs once per level at most: a dynamic plan reads the level's path
+log-probabilities to choose the nodes to expand, sampling without replacement the level's support sizes (how
+many distinct children each node can have); the finished tree's tokens are read once. A static tree (Medusa's
+heads included) therefore costs one host read in all.
 """
 
 from __future__ import annotations
 
 import torch
 
-from accelgen.draft import ROOT, Draft
+from accelgen.draft import ROOT, Draft, to_device
 from accelgen.drafters.base import Drafter
 from accelgen.drafters.draft_decoding import catch_up
-from accelgen.models.runner import ModelRunner
-from accelgen.sampling import SamplingConfig, gumbel_choice, logits_to_probs, sample
+from accelgen.models.engines import runner_for
+from accelgen.sampling import SamplingConfig, draw, gumbel_choice, logits_to_probs
 
 
 class DraftModelScorer:
@@ -52,7 +59,7 @@ class DraftModelScorer:
         if not isinstance(draft_model, torch.nn.Module):
             raise ValueError("a draft model that expands token trees level by level needs its PyTorch model; "
                              "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32)")
-        self.runner = ModelRunner(draft_model)
+        self.runner = runner_for(draft_model)  # on a GPU: the static cache, each level's forward a CUDA graph
         self.cached_tokens: list[int] = []  # the committed context whose KV the draft cache holds
         self.cached_nodes: list[int] = []  # then the current tree's scored nodes, in cache order
 
@@ -67,12 +74,14 @@ class DraftModelScorer:
         self.cached_nodes = []
         return logits
 
-    def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
+    def score(self, tokens: torch.Tensor, parents: list[int], nodes: list[int]) -> torch.Tensor:
         """(len(nodes), vocab) draft logits after each of nodes: one tree forward over those of nodes and their
         ancestors not cached yet, each seeing its cached ancestors; they stay cached for the next level.
+        tokens: (n,) long, every node's token (on any device; a list too).
 
         Example: parents [-1, -1, 0, 1], nodes [2] with node 0 cached: the forward covers node 2 (c), seeing a.
         """
+        tokens = torch.as_tensor(tokens)
         kept, _ = with_ancestors(parents, nodes)
         new = [node for node in kept if node not in self.cached_nodes]
         columns = self.cached_nodes + new  # the tree's part of the cache after this forward
@@ -82,9 +91,9 @@ class DraftModelScorer:
             while node != ROOT:  # itself and its ancestors
                 tree[row, column[node]] = True
                 node = parents[node]
-        logits = self.runner.forward(torch.tensor([tokens[node] for node in new]), tree)  # (m, vocab)
+        logits = self.runner.forward(tokens.index_select(0, to_device(new, tokens.device)), tree)  # (m, vocab)
         self.cached_nodes = columns
-        return logits[[new.index(node) for node in nodes]]
+        return logits.index_select(0, to_device([new.index(node) for node in nodes], logits.device))
 
 
 def with_ancestors(parents: list[int], nodes: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -136,16 +145,17 @@ class DraftTreeDrafter(Drafter):
             return Draft.empty()
         rerank = self.dynamic and self.sampling.greedy  # only greedy may prune drawn nodes
         budget = None if rerank else max_nodes
-        tokens: list[int] = []
+        # on the device, read once at the end: each node's token and its path's cumulative draft log-probability
+        tokens = torch.empty(0, dtype=torch.long)  # (n,) long
+        log_probs = torch.empty(0, dtype=torch.float64)  # (n,) float64
+        rows: list[torch.Tensor] = []  # per level, (k, vocab): the draft distribution each node was drawn from
         parents: list[int] = []
-        rows: list[torch.Tensor] = []  # (vocab,) the draft distribution each node was drawn from (at its parent)
-        log_probs: list[float] = []  # cumulative draft log-probability of each node's path
         paths: dict[int, tuple[int, ...]] = {ROOT: ()}  # node -> child ranks from the root down
         frontier = [ROOT]
         for level in range(depth):
             plan = self._plan(frontier, log_probs, paths)
             if budget is not None:
-                plan = _within_budget(plan, budget - len(tokens))
+                plan = _within_budget(plan, budget - len(parents))
             if not plan:
                 break
             nodes = [node for node, _ in plan]
@@ -154,57 +164,77 @@ class DraftTreeDrafter(Drafter):
                 if logits is None:  # the scorer cannot draft yet (EAGLE before the target's first features)
                     return Draft.empty()
                 logits = logits[None]
+                tokens, log_probs = tokens.to(logits.device), log_probs.to(logits.device)
             else:
                 logits = self.scorer.score(tokens, parents, nodes)
+            level_tokens, level_log_probs, drawn_from, counts = self._children(
+                logits, [count for _, count in plan], position=len(context) + level)
+            # the children in node order: child `rank` of the plan's j-th node is level_tokens[j, rank]
+            width, device = level_tokens.shape[1], logits.device
+            picked = to_device([j * width + rank for j, count in enumerate(counts) for rank in range(count)], device)
+            owners = to_device([j for j, count in enumerate(counts) for _ in range(count)], device)  # plan index
+            bases = torch.zeros(len(plan), dtype=torch.float64, device=device) if level == 0 else \
+                log_probs.index_select(0, to_device(nodes, device))  # the planned nodes' own path log-probability
+            tokens = torch.cat([tokens, level_tokens.flatten().index_select(0, picked)])
+            log_probs = torch.cat([log_probs, bases.index_select(0, owners)
+                                   + level_log_probs.flatten().index_select(0, picked)])
+            if drawn_from is not None:
+                rows.append(drawn_from.index_select(0, owners))
             frontier = []
-            for (node, count), node_logits in zip(plan, logits):
-                base = log_probs[node] if node != ROOT else 0.0
-                children = self._children(node_logits, count, position=len(context) + level)
-                for rank, (token, row, log_prob) in enumerate(children):
-                    paths[len(tokens)] = paths[node] + (rank,)
-                    tokens.append(token)
+            for (node, _), count in zip(plan, counts):
+                for rank in range(count):
+                    paths[len(parents)] = paths[node] + (rank,)
+                    frontier.append(len(parents))
                     parents.append(node)
-                    rows.append(row)
-                    log_probs.append(base + log_prob)
-                    frontier.append(len(tokens) - 1)
-        draft = Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                      None if self.sampling.greedy else torch.stack(rows))
-        return _most_probable(draft, log_probs, max_nodes) if rerank else draft
+        if rerank:
+            return _most_probable(tokens, parents, log_probs, max_nodes)
+        tokens = tokens.tolist()  # the tree's tokens, read back once
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                     None if self.sampling.greedy else torch.cat(rows))
 
     def update(self, draft, verdict, target_logits) -> None:
         pass  # the next proposal rolls the draft cache back to the committed context
 
-    def _plan(self, frontier: list[int], log_probs: list[float], paths: dict) -> list[tuple[int, int]]:
-        """[(node, number of children)] for the nodes of the deepest level that get children, in node order."""
+    def _plan(self, frontier: list[int], log_probs: torch.Tensor, paths: dict) -> list[tuple[int, int]]:
+        """[(node, number of children)] for the nodes of the deepest level that get children, in node order.
+        frontier: the deepest level's nodes, the last of the (n,) log_probs."""
         if not self.dynamic:
             return [(node, self.shape[paths[node]]) for node in frontier if paths[node] in self.shape]
         if frontier == [ROOT]:
             return [(ROOT, self.width)]
-        best = sorted(frontier, key=lambda node: -log_probs[node])[: self.width]
-        return [(node, self.width) for node in sorted(best)]
+        level_log_probs = log_probs[len(log_probs) - len(frontier) :].tolist()  # the level's one host read
+        best = sorted(range(len(frontier)), key=lambda i: -level_log_probs[i])[: self.width]
+        return [(frontier[i], self.width) for i in sorted(best)]
 
-    def _children(self, logits: torch.Tensor, count: int, position: int) -> list[tuple[int, torch.Tensor | None, float]]:
-        """[(token, the row it was drawn from or None, its draft log-probability)] for one node's children, which
-        sit at absolute position `position`."""
+    def _children(self, logits: torch.Tensor, counts: list[int],
+                  position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+        """The children of a level's planned nodes, from their (m, vocab) logits, counts[j] for node j, at absolute
+        position `position`; on the logits' device: (tokens (m, width) long, their draft log-probabilities
+        (m, width) float64, (m, vocab) the distributions they were drawn from or None for greedy, and how many of
+        each row's first columns are children: counts, fewer where the node has fewer candidates)."""
         if self.sampling.greedy:
             log_q = torch.log_softmax(logits, dim=-1)
-            best = torch.topk(log_q, min(count, len(log_q))).indices.tolist()
-            return [(token, None, min(0.0, float(log_q[token]))) for token in best]  # rounding: never above the parent
-        draft_probs = logits_to_probs(logits, self.sampling)  # (vocab,)
-        drawn, left = [], draft_probs.clone()
-        for child in range(count):
-            if left.sum() <= 0:  # without replacement: the support (after top-k / top-p) is used up
-                break
-            if child == 0 and self.sampling.noise is not None:
+            width = min(max(counts), log_q.shape[-1])
+            best = torch.topk(log_q, width, dim=-1)  # one top-k over the whole level
+            counts = [min(count, width) for count in counts]
+            return best.indices, best.values.double().clamp_max(0.0), None, counts  # rounding: never above the parent
+        draft_probs = logits_to_probs(logits, self.sampling)  # (m, vocab)
+        if not self.replacement:  # without replacement a node has at most its support (after top-k / top-p)
+            support = (draft_probs > 0).sum(dim=-1).tolist()  # the level's one host read
+            counts = [min(count, size) for count, size in zip(counts, support)]
+        drawn, left = [], draft_probs
+        for rank in range(max(counts)):  # one draw per rank for the whole level
+            if rank == 0 and self.sampling.noise is not None:
                 # seeded: the first child takes the position's Gumbel noise, as the target's choice there does
                 # (verify_gumbel), so it is accepted whenever the two models agree; the others are sampled
-                token = int(gumbel_choice(left[None], self.sampling.noise.at(position)[None])[0])
+                token = gumbel_choice(left, self.sampling.noise.at(position, like=left))
             else:
-                token = sample(left / left.sum(), self.generator)
-            drawn.append((token, draft_probs, float(torch.log(draft_probs[token]))))
+                token = draw(left, self.generator)  # (m,); draw needs no normalised rows
+            drawn.append(token)
             if not self.replacement:
-                left[token] = 0.0
-        return drawn
+                left = left.scatter(1, token[:, None], 0.0)
+        tokens = torch.stack(drawn, dim=1)  # (m, width)
+        return tokens, draft_probs.gather(1, tokens).log().double(), draft_probs, counts
 
 
 def shape_from_branching(branching: list[int]) -> dict[tuple[int, ...], int]:
@@ -255,10 +285,14 @@ def _within_budget(plan: list[tuple[int, int]], room: int) -> list[tuple[int, in
     return kept
 
 
-def _most_probable(draft: Draft, log_probs: list[float], max_nodes: int) -> Draft:
-    """The max_nodes nodes with the highest path log-probability (ties: earlier node), as a Draft."""
-    kept = sorted(sorted(range(len(draft)), key=lambda node: (-log_probs[node], node))[:max_nodes])
+def _most_probable(tokens: torch.Tensor, parents: list[int], log_probs: torch.Tensor, max_nodes: int) -> Draft:
+    """The max_nodes nodes with the highest path log-probability (ties: earlier node), as a Draft; tokens (n,) and
+    log_probs (n,) on the device, read back once with the choice."""
+    count = min(max_nodes, len(parents))
+    kept = torch.sort(log_probs, descending=True, stable=True).indices[:count].sort().values
+    read = torch.cat([kept, tokens.index_select(0, kept)]).tolist()  # the tree's last host read
+    kept, kept_tokens = read[:count], read[count:]
     position = {node: i for i, node in enumerate(kept)}
     position[ROOT] = ROOT
-    parents = [position[int(draft.parents[node])] for node in kept]
-    return Draft(draft.tokens[kept], torch.tensor(parents, dtype=torch.long))
+    return Draft(torch.tensor(kept_tokens, dtype=torch.long),
+                 torch.tensor([position[parents[node]] for node in kept], dtype=torch.long))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from accelgen import cache as kv
-from accelgen.draft import ROOT, causal, tree_attention
+from accelgen.draft import ROOT, causal, to_device, tree_attention
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
 from accelgen.heads.eagle import EagleHead
@@ -94,26 +94,28 @@ class EagleScorer:
         return self.lm_head(self.root_feature[None])[0]
 
     @torch.inference_mode()
-    def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
+    def score(self, tokens: torch.Tensor, parents: list[int], nodes: list[int]) -> torch.Tensor:
         """(len(nodes), vocab) the head's logits after each of nodes: one tree forward over them and their
-        ancestors, each fed its token and its parent's predicted feature."""
+        ancestors, each fed its token and its parent's predicted feature. tokens: (n,) long, every node's token
+        (on any device; a list too)."""
+        tokens = torch.as_tensor(tokens)
         kept, kept_parents = with_ancestors(parents, nodes)
         parent_features = torch.stack([self.root_feature if parents[node] == ROOT else self.predicted[parents[node]]
                                        for node in kept])
-        output = self._forward(torch.tensor([tokens[node] for node in kept]), parent_features,
+        output = self._forward(tokens.index_select(0, to_device(kept, tokens.device)), parent_features,
                                tree_attention(kept_parents)[1:, 1:])
         kv.crop(self.cache, self.fed)  # keep only pairs of true features
         self.predicted.update(zip(kept, output))
-        return self.lm_head(output[[kept.index(node) for node in nodes]])
+        return self.lm_head(output.index_select(0, to_device([kept.index(node) for node in nodes], output.device)))
 
     def _forward(self, tokens: torch.Tensor, features: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
         """(m, d) predicted features for tokens (m,) with features (m, d), placed after the cached pairs as
         pattern (m, m) bool allows (causal, or a tree: position = cached + depth - 1)."""
         block = Block(self.fed, pattern)
-        positions = block.positions[None].to(self.head.fc.weight.device)
+        positions = block.positions[None].to(self.head.fc.weight.device, non_blocking=True)
         features = features.to(self.head.fc.weight.dtype)
         mask = block.walk_mask(features.dtype, features.device)
-        embeds = self.embed(tokens.to(features.device))[None]
+        embeds = self.embed(tokens.to(features.device, non_blocking=True))[None]
         return self.head(embeds, features[None], positions, mask, self.cache)[0]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accelgen.draft import depths
+from accelgen.draft import depths, to_device
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter
 from accelgen.heads.medusa import MedusaHeads
@@ -61,10 +61,11 @@ class MedusaScorer:
         self.guesses = self.lm_head(self.heads(features[-1]))
         return self.guesses[0]
 
-    def score(self, tokens: list[int], parents: list[int], nodes: list[int]) -> torch.Tensor:
-        """(len(nodes), vocab) the logits of each node's children: those of the head one deeper than the node."""
+    def score(self, tokens: torch.Tensor, parents: list[int], nodes: list[int]) -> torch.Tensor:
+        """(len(nodes), vocab) the logits of each node's children: those of the head one deeper than the node
+        (whatever the tokens: the heads guessed every depth at the root)."""
         depth = depths(torch.tensor(parents, dtype=torch.long))
-        return self.guesses[depth[nodes]]
+        return self.guesses.index_select(0, to_device(depth[nodes], self.guesses.device))
 
 
 def load(target_model, heads) -> MedusaHeads:

@@ -23,7 +23,7 @@ from accelgen.draft import Draft
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
-from accelgen.sampling import SamplingConfig, logits_to_probs, sample
+from accelgen.sampling import SamplingConfig, draw, logits_to_probs
 
 
 class PassDrafter(Drafter):
@@ -44,10 +44,10 @@ class PassDrafter(Drafter):
     def draft_from(self, logits: torch.Tensor) -> Draft:
         """The draft from the target's (1 + k, vocab) logits at the root and at each slot."""
         if self.sampling.greedy:
-            return Draft.chain(logits.argmax(-1))
+            return Draft.chain(torch.tensor(logits.argmax(-1).tolist()))  # the draft's one host read
         draft_probs = logits_to_probs(logits, self.sampling)  # (1 + k, vocab)
-        tokens = torch.tensor([sample(probs, self.generator) for probs in draft_probs])
-        return Draft.chain(tokens, draft_probs)
+        tokens = draw(draft_probs, self.generator).tolist()  # a token per row, drawn on the device; read once
+        return Draft.chain(torch.tensor(tokens), draft_probs)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from accelgen.draft import Draft, Verdict, keep_accepted
 from accelgen.drafters.draft_decoding import roll_back
 from accelgen.drafters.prompt_lookup import NGramIndex, copy_continuation
 from accelgen.verify import default_verifier
-from accelgen.models.runner import ModelRunner, runner_for
+from accelgen.models.engines import runner_for
+from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions
 from accelgen.sampling import SamplingConfig, logits_to_probs
 

@@ -31,7 +31,7 @@ from accelgen.drafters.draft_model import draft_model_drafter
 from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
-from accelgen.sampling import SamplingConfig, sample
+from accelgen.sampling import SamplingConfig, draw
 
 
 class StagedDrafter(Drafter):
@@ -74,7 +74,7 @@ class StagedDrafter(Drafter):
             ranked = torch.topk(root_logits, min(count + 1, root_logits.shape[-1])).indices.tolist()
             return [token for token in ranked if token != first][:count]
         root_probs = self.stage_two.probs(root_logits)
-        return [sample(root_probs, self.generator) for _ in range(count)]
+        return draw(root_probs.expand(count, -1), self.generator).tolist()  # drawn at once, read once
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.draft_decoding import TokenChoice, decode_draft
 from accelgen.prompts import eos_token_ids
-from accelgen.models.runner import runner_for
+from accelgen.models.engines import runner_for
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 LOOKBEHIND = 8  # committed tokens re-decoded around a boundary: enough for any merge to settle

@@ -45,16 +45,17 @@ def batched_forward(runners: list[ModelRunner], blocks: list[tuple]) -> list[tor
     geometry = [Block(length, causal(len(token_ids)) if tree is None else tree, runner.position_offset)
                 for runner, length, (token_ids, tree, _) in zip(runners, lengths, blocks)]
     positions, allowed = left_padded(geometry)
-    input_ids = torch.zeros(len(runners), new, dtype=torch.long)
+    # built on the model's device: a draft's tokens may be there already, and copying them back would wait for it
+    input_ids = torch.zeros(len(runners), new, dtype=torch.long, device=model.device)
     for row, (token_ids, _, _) in enumerate(blocks):
-        input_ids[row, new - len(token_ids):] = token_ids
+        input_ids[row, new - len(token_ids):] = token_ids.to(model.device, non_blocking=True)
     mask = blocking_mask(allowed, model.dtype)
     cache = kv.stack_left_padded([runner.cache for runner in runners], lengths, model.config)
     logits_for_last = max(keep for _, _, keep in blocks)
     output = model(
-        input_ids=input_ids.to(model.device),
-        position_ids=positions.to(model.device),
-        attention_mask=mask[:, None].to(model.device),
+        input_ids=input_ids,
+        position_ids=positions.to(model.device, non_blocking=True),
+        attention_mask=mask[:, None].to(model.device, non_blocking=True),
         use_cache=True,
         **{kv.cache_keyword(model): cache},
         logits_to_keep=logits_for_last,

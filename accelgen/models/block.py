@@ -70,7 +70,7 @@ class Block:
 
     def mask(self, dtype: torch.dtype, device) -> torch.Tensor:
         """(1, 1, m, cached + m) additive attention mask."""
-        return blocking_mask(self.allowed, dtype)[None, None].to(device)
+        return blocking_mask(self.allowed, dtype)[None, None].to(device, non_blocking=True)
 
     def walk_mask(self, dtype: torch.dtype, device) -> torch.Tensor | None:
         """The mask of a walk through the layers: None for one token, which sees the whole cache anyway."""

@@ -3,7 +3,7 @@
     fp32, bf16   dense weights in that dtype
     int8         weight-only int8, symmetric, one scale per output channel (torch._weight_int8pack_mm)
     int4         weight-only int4, asymmetric, one scale and zero point per group of 64 inputs
-                 (torch._weight_int4pack_mm_for_cpu)
+                 (torch._weight_int4pack_mm_for_cpu; on CUDA torch._weight_int4pack_mm)
 
 The quantized formats quantize every nn.Linear of the decoder and the LM head, and keep the input embedding,
 norms and attention in the compute dtype: bf16 by default, as PyTorch's packed CPU kernels are fast only with
@@ -14,6 +14,11 @@ loaded*: a method is exact against `autoregressive` with the same weights, not a
 Shape rules of the kernels (checked before quantizing, as a wrong shape gives wrong numbers or a crash
 rather than an error): int8 needs in_features % 8 == 0; int4 needs in_features % 64 == 0 (the groups) and
 out_features % 16 == 0 (the packing).
+
+On a GPU: int8's kernel takes the same tensors on CUDA, so `.to(device)` moves them. int4's CUDA kernel reads
+another packing (and bf16 activations only), so a model is quantized on the CPU (and cached in the CPU packing),
+then `move_to` unpacks each int4 layer's levels and packs them anew for CUDA. A layer knows its packing by its
+shape: (out, in // 2) uint8 for the CPU, a 4-d int32 tensor for CUDA.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ QUANTIZED_FORMATS = ("int8", "int4")
 INT4_GROUP_SIZE = 64
 KERNELS = {"int8": ("_weight_int8pack_mm",),
            "int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")}
+CUDA_KERNELS = {"int8": ("_weight_int8pack_mm",), "int4": ("_convert_weight_to_int4pack", "_weight_int4pack_mm")}
 TENSORS = {"int8": ("weight_int8", "scales"), "int4": ("weight_int4", "scales_and_zeros")}  # per layer, as cached
+INT4_INNER_K_TILES = 2  # CUDA's int4 packing: in_features must be a multiple of 16 * this (int4's groups of 64 are)
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A weight-only quantized nn.Linear over PyTorch's own packed CPU kernels.
+    """A weight-only quantized nn.Linear over PyTorch's own packed kernels (the CPU's, and CUDA's).
 
     int8: weight_int8 (out, in) int8 and scales (out,); int4: weight_int4 (out, in // 2) uint8 in the CPU kernel's
-    packed layout and scales_and_zeros (in // group, out, 2). The scales' dtype is the compute dtype (`.to(dtype)`
-    moves it with the rest of the model): activations are cast to it for the kernel and the output cast back.
+    packed layout (or, after `move_to` a CUDA device, the CUDA kernel's) and scales_and_zeros (in // group, out, 2).
+    The scales' dtype is the compute dtype (`.to(dtype)` moves it with the rest of the model): activations are cast
+    to it for the kernel and the output cast back.
     """
 
     def __init__(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
@@ -82,11 +90,35 @@ class QuantizedLinear(torch.nn.Module):
         out = out.reshape(*shape[:-1], self.out_features).to(dtype)  # (..., out)
         return out if self.bias is None else out + self.bias.to(dtype)
 
+    @property
+    def packing(self) -> str:
+        """The device type whose kernel the weights are packed for: "cuda" or "cpu" (int8: "any", one layout)."""
+        if self.fmt == "int8":
+            return "any"
+        return "cuda" if self.weight_int4.dim() == 4 else "cpu"
+
     def kernel(self, flat: torch.Tensor) -> torch.Tensor:
         """(tokens, in) in the compute dtype -> (tokens, out), by PyTorch's packed kernel."""
         if self.fmt == "int8":
             return torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        if self.packing != flat.device.type:  # moved by .to(device), which cannot repack
+            raise ValueError(f"this int4 layer is packed for the {self.packing}'s kernel but runs on {flat.device}: "
+                             "load the model there (load_model(..., device=...)) or move it with "
+                             "accelgen.models.formats.move_to")
+        if self.packing == "cuda":
+            return torch._weight_int4pack_mm(flat, self.weight_int4, self.group_size, self.scales_and_zeros)
         return torch._weight_int4pack_mm_for_cpu(flat, self.weight_int4, self.group_size, self.scales_and_zeros)
+
+    def pack_for(self, device: torch.device) -> None:
+        """Pack an int4 layer's weights for the kernel of `device` (moving them there); int8 needs no packing."""
+        if self.fmt != "int4" or self.packing == device.type:
+            return
+        if self.packing == "cuda" or device.type != "cuda":
+            raise ValueError(f"int4 weights packed for the {self.packing} cannot be packed for {device}: load the "
+                             "model there instead (load_model(..., device=...)); int4 runs on the CPU and on CUDA")
+        levels = unpack_int4(self.weight_int4)  # (out, in) int32 in 0..15
+        self.weight_int4 = pack_int4_for_cuda(levels.to(device))
+        self._dense = None
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
@@ -154,6 +186,14 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return _unpack_int4(packed, _int4_block())
 
 
+def pack_int4_for_cuda(levels: torch.Tensor) -> torch.Tensor:
+    """levels (out, in) int32 in 0..15, on a CUDA device -> the layout torch._weight_int4pack_mm reads: two inputs
+    per byte (the even one in the high half), packed by torch._convert_weight_to_int4pack. Its w = (q − 8) · scale +
+    zero is the CPU kernel's, so scales_and_zeros stay as they are."""
+    pairs = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)  # (out, in // 2)
+    return torch._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+
+
 def _unpack_int4(packed: torch.Tensor, block: int) -> torch.Tensor:
     out_features, half = packed.shape
     flat = packed.reshape(-1)
@@ -184,6 +224,9 @@ def _int4_block() -> int:
 
 def dequantize(layer: QuantizedLinear) -> torch.Tensor:
     """The fp32 (out, in) weight a QuantizedLinear multiplies by."""
+    if layer.fmt == "int4" and layer.packing == "cuda":  # a packing accelgen does not unpack: read it by the kernel
+        identity = torch.eye(layer.in_features, dtype=layer.compute_dtype, device=layer.weight_int4.device)
+        return layer.kernel(identity).T.float()  # row i of the product is row i of the transposed weight
     if layer.fmt == "int8":
         return layer.weight_int8.float() * layer.scales.float()[:, None]
     scales, zeros = layer.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # (out, groups) each
@@ -208,18 +251,31 @@ def shape_error(fmt: str, in_features: int, out_features: int) -> str | None:
 
 
 @lru_cache(maxsize=None)
-def kernel_error(fmt: str, compute_dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """None if this PyTorch build runs `fmt`'s kernels (probed once with a tiny layer), else which kernel failed."""
-    names = KERNELS[fmt]
-    missing = [name for name in names if not hasattr(torch, name)]
+def kernel_error(fmt: str, compute_dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> str | None:
+    """None if this PyTorch build runs `fmt`'s kernels on `device` (probed once with a tiny layer quantized on the
+    CPU, then moved there), else which kernel failed."""
+    on = torch.device(device)
+    names = KERNELS[fmt] + (CUDA_KERNELS[fmt] if on.type == "cuda" else ())
+    missing = [name for name in dict.fromkeys(names) if not hasattr(torch, name)]
     if missing:
         return f"torch.{missing[0]} is missing"
     layer = torch.nn.Linear(64, 16)  # the smallest shape both kernels take
     try:
-        quantized_layer(layer, fmt, compute_dtype)(torch.ones(2, 64, dtype=compute_dtype))
+        probe = move_to(quantized_layer(layer, fmt, compute_dtype), on)
+        probe(torch.ones(2, 64, dtype=compute_dtype, device=on))
     except Exception as error:  # noqa: BLE001 - any failure of the kernel means the format cannot run here
-        return f"torch.{' / torch.'.join(names)} failed on a {compute_dtype} probe: {type(error).__name__}: {error}"
+        kernels = " / ".join(f"torch.{name}" for name in dict.fromkeys(names))
+        return f"{kernels} failed on a {compute_dtype} probe: {type(error).__name__}: {error}"
     return None
+
+
+def move_to(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """model.to(device), with every int4 layer first packed for the device's kernel (CPU and CUDA pack differently)."""
+    device = torch.device(device)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.pack_for(device)
+    return model.to(device)
 
 
 def check_quantizable(model: torch.nn.Module, fmt: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:

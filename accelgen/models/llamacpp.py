@@ -204,6 +204,9 @@ class LlamaCppRunner:
     def describe(self) -> dict:
         return {}
 
+    def close(self) -> None:
+        """Nothing to release before the sequence's memory goes with the runner."""
+
     @keep_hidden.setter
     def keep_hidden(self, value: bool) -> None:
         if value:

@@ -9,6 +9,7 @@ import difflib
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -47,6 +48,40 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
+
+
+DEVICE_HELP = "cpu, cuda, cuda:N or auto (default: cpu)"
+DEVICE_CHOICES = "cpu, cuda, cuda:N or auto"
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Where a model runs: None and "cpu" the CPU; "cuda" the current CUDA device, "cuda:N" that one; "auto" CUDA
+    when torch sees a device, else the CPU. A device that is not there is a ValueError that says so."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, torch.device):
+        resolved = device
+    else:
+        text = str(device).strip().lower()
+        if text == "auto":
+            return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
+        if not re.fullmatch(r"(cpu|cuda)(:\d+)?", text):  # "cpu:0" too, as torch and accelerate write it
+            raise ValueError(f"unknown device {device!r}: choose {DEVICE_CHOICES}")
+        resolved = torch.device(text)
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type != "cuda":
+        raise ValueError(f"device {str(resolved)!r} is not supported: choose {DEVICE_CHOICES}")
+    if not torch.cuda.is_available():
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built for CPU"
+        raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device (torch {torch.__version__}, "
+                         f"{built})")
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"device {str(device)!r} asked for, but torch sees {count} CUDA device{'s' * (count != 1)} "
+                         f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return torch.device("cuda", index)
 
 
 def beside_weights(model, filename: str, saving: str | None = None) -> Path | None:
@@ -157,42 +192,60 @@ def check_weights(weights: str | None) -> None:
 def load_model(
     name_or_path: str,
     dtype: str | torch.dtype | None = None,
-    device: str = "cpu",
+    device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     weights: str | None = None,
     threads: int | None = None,
 ):
     """Return (model, tokenizer) for an embedded name, a HF id, a local folder or a .gguf file.
 
+    device: "cpu" (None: the default), "cuda", "cuda:N", "auto" (CUDA when torch sees a device, else the CPU) or a
+    torch.device; the model is moved there and `model.device` says so.
     weights: None (dtype decides), "fp32" or "bf16" (dense, in that dtype whatever `dtype` says), "int8" or
     "int4" (weight-only quantized linear layers, accelgen/models/formats.py; the rest of the model runs in `dtype`,
     bfloat16 by default, and the quantized tensors are cached so that later loads take seconds), "gguf" (the
-    GGUF file itself, run by llama.cpp: accelgen/models/llamacpp.py), or "auto": the format a short probe of this
-    machine found fastest (accelgen/models/probe.py, measured once per machine and model).
-    Without weights, dtype defaults to bfloat16 for embedded models and to the checkpoint's own dtype otherwise.
+    GGUF file itself, run by llama.cpp on the CPU: accelgen/models/llamacpp.py), or "auto": the format a short
+    probe of this machine found fastest (accelgen/models/probe.py, measured once per machine and model); on a GPU
+    "auto" is bf16, as the probe times CPU formats.
+    Without weights, dtype defaults to bfloat16 for embedded models and on a GPU, and to the checkpoint's own dtype
+    otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_weights(weights)
     check_source(name_or_path)
+    target = resolve_device(device)
+    on_gpu = target.type != "cpu"
+    if weights == "auto" and on_gpu:
+        from accelgen.models.probe import device_choice
+
+        weights = device_choice(target)["weights"]
+        print(f"accelgen: weights=auto on {target}: {weights}, without timing the CPU formats (the probe and llama.cpp "
+              "run on the CPU only)", file=sys.stderr)
     if weights == "auto":
         from accelgen.models.probe import choose_weights
 
         weights = choose_weights(name_or_path, threads=threads)["weights"]
     if weights == "gguf":
+        if on_gpu:
+            raise ValueError(f"weights=gguf runs on llama.cpp's CPU engine only, not on {target}: choose bf16, fp32, "
+                             "int8 or int4 there (or leave out the device)")
         from accelgen.models.llamacpp import load_llamacpp
 
         return load_llamacpp(name_or_path, threads)
     if weights in ("fp32", "bf16"):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[weights]
     torch_dtype = resolve_dtype(dtype)
+    if torch_dtype is None and on_gpu:
+        torch_dtype = torch.bfloat16  # a GPU's matrix units are fastest in bf16 (checkpoints are often fp32)
     quantized = weights in QUANTIZED
     compute_dtype = torch_dtype or torch.bfloat16  # of the quantized formats
     if quantized:
         from accelgen.models.formats import kernel_error
 
-        if (error := kernel_error(weights, compute_dtype)) is not None:  # said before anything is loaded
-            raise ValueError(f"weights={weights} cannot run in this PyTorch build ({torch.__version__}): {error}")
+        if (error := kernel_error(weights, compute_dtype, str(target))) is not None:  # said before anything loads
+            raise ValueError(f"weights={weights} cannot run on {target} in this PyTorch build ({torch.__version__}): "
+                             f"{error}")
     if name_or_path in EMBEDDED_MODELS:
         folder = prepare_embedded(name_or_path)
         torch_dtype = torch_dtype or torch.bfloat16
@@ -208,8 +261,13 @@ def load_model(
     )
     model = tie_if_declared(model)  # a shared-cycle model (SPEED): its repeated layers share weights again
     if quantized:
-        quantize_cached(model, weights, local_folder(str(folder)), compute_dtype)
-    model.to(device).eval()
+        from accelgen.models.formats import move_to
+
+        quantize_cached(model, weights, local_folder(str(folder)), compute_dtype)  # on the CPU, as cached
+        move_to(model, target)  # int4 is packed anew for a GPU's kernel
+    else:
+        model.to(target)
+    model.eval()
     return model, tokenizer
 
 
@@ -256,7 +314,9 @@ def quantize_cached(model, fmt: str, folder: Path | None, compute_dtype: torch.d
 
     path = quantized_cache_path(folder, fmt) if folder is not None else None
     if path is not None and path.is_file():
-        quantize(model, fmt, load_file(path), compute_dtype)
+        # copied out of the file's memory map: the packed kernels read their weights with aligned vector loads,
+        # which a tensor at an arbitrary offset of the file fails (a segmentation fault, not an error)
+        quantize(model, fmt, {key: value.clone() for key, value in load_file(path).items()}, compute_dtype)
         return
     name = folder.name if folder is not None else model.config.name_or_path
     print(f"accelgen: quantizing {name} to {fmt} once; later loads read it from the cache", file=sys.stderr)

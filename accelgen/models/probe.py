@@ -14,6 +14,10 @@ The choice is the format with the most expected tokens per second:
                                                                                draft budget falls back to plain
                                                                                decoding when a / t(8) is less)
 
+On a GPU nothing is probed: the candidates other than bf16 are CPU formats (llama.cpp's engine is CPU-only and
+the packed int8/int4 kernels are CPU kernels first), and a GPU's matrix units are built for bf16, so
+`device_choice` says bf16.
+
 The timings are cached per machine (`accelgen.hardware.machine_key`: CPU, speed flags, threads, torch version)
 and model under `weights-probe/` in the cache folder, so the probe runs once; the choice is made from them on
 each call, and `probe_report` says what was chosen and why (`accelgen models`, `accelgen profile`).
@@ -89,6 +93,14 @@ def decide(timings: dict[str, dict], tokens_per_verify: float | None = None) -> 
                       for fmt, t in sorted(timings.items(), key=lambda item: -speed[item[0]]))
     return {"weights": best, "formula": formula,
             "reason": f"most tokens/s by {formula} on this machine: {table}"}
+
+
+def device_choice(device) -> dict:
+    """What weights="auto" picks on a GPU, without measuring: {"weights": "bf16", "reason", "formula", "timings"}
+    in the shape of choose_weights' answer (no timings)."""
+    return {"weights": "bf16", "formula": None, "timings": {},
+            "reason": f"on {device} weights=auto is bf16 without a probe: the probe times CPU formats, and llama.cpp "
+                      "runs on the CPU only"}
 
 
 def model_key(name_or_path: str) -> str:

@@ -18,7 +18,6 @@ from accelgen import cache as kv
 from accelgen.draft import causal
 from accelgen.models.block import Block, blocking_mask
 from accelgen.models.layouts import Decoder, alibi_layout, alibi_tree_hidden, check_tree_positions
-from accelgen.models.llamacpp import LlamaCppModel
 
 # HF's names of the attention layer types whose masks a model takes as a dict (models mixing both: Gemma 2 and 3)
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -133,12 +132,12 @@ class ModelRunner:
                 return self._alibi_tree(token_ids, block, logits_for_last)
             check_tree_positions(self.config)
             mask = self._tree_mask(block)
-        inputs = dict(position_ids=block.positions.to(self.device)[None], attention_mask=mask, use_cache=True,
+        inputs = dict(position_ids=block.positions.to(self.device, non_blocking=True)[None], attention_mask=mask, use_cache=True,
                       **{kv.cache_keyword(self.model): self.cache})
         if appended is None:
-            inputs["input_ids"] = token_ids.to(self.device)[None]
+            inputs["input_ids"] = token_ids.to(self.device, non_blocking=True)[None]
         else:
-            embedded = self.model.get_input_embeddings()(token_ids.to(self.device))
+            embedded = self.model.get_input_embeddings()(token_ids.to(self.device, non_blocking=True))
             inputs["inputs_embeds"] = torch.cat([embedded, appended.to(embedded.dtype)])[None]
         if not self.keeps_states:
             return self.model(**inputs, logits_to_keep=logits_for_last).logits[0].float()
@@ -206,12 +205,15 @@ class ModelRunner:
         if self.window is None:
             return full
         within = (block.positions - self.position_offset)[:, None] - block.key_indices[None, :] < self.window
-        windowed = blocking_mask(block.allowed & within, self.dtype)[None, None].to(self.device)
+        windowed = blocking_mask(block.allowed & within, self.dtype)[None, None].to(self.device, non_blocking=True)
         return {FULL: full, SLIDING: windowed} if self.mixed_attention else windowed
 
     def describe(self) -> dict:
         """What the runner's own way of decoding did, for the result's stats (early exit: layers used); {} here."""
         return {}
+
+    def close(self) -> None:
+        """Release what the runner holds beyond its own lifetime (a static cache's slot); nothing here."""
 
     def keep(self, prefix: int, rows: list[int]) -> None:
         """Keep the first `prefix` cached positions, then the rows `rows` (increasing) of the last forward.
@@ -225,17 +227,12 @@ class ModelRunner:
             keep = slice(0, prefix + len(rows))
         else:
             keep = torch.cat([torch.arange(prefix), prefix + torch.tensor(rows, dtype=torch.long)])
+            keep = keep.to(self.device, non_blocking=True)  # (a host-built index: no wait for the device)
             kv.compact(self.cache, keep)
         if self.hidden is not None:
             self.hidden = self.hidden[keep]
         if self.layer_hidden is not None:
             self.layer_hidden = self.layer_hidden[keep]
-
-
-def runner_for(model):
-    """A fresh runner over a model: ModelRunner for a transformers model, else the model's own engine's
-    (a GGUF file loaded by llama.cpp: accelgen.models.llamacpp)."""
-    return model.new_runner() if isinstance(model, LlamaCppModel) else ModelRunner(model)
 
 
 def sliding_window(windows: list[int | None]) -> int | None:

@@ -2,7 +2,8 @@
 (accelgen/costs.py), `accelgen profile` (accelgen/profile.py) and the benchmark's cost line all take.
 
 A timed forward runs k new tokens after a KV cache of a fixed prompt, for one or several sequences batched as
-the server batches them, and keeps every row's logits as verification needs them.
+the server batches them, and keeps every row's logits as verification needs them. On a GPU the clock is read only
+after the device has finished (hardware.synchronize): its kernels run asynchronously.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Callable
 
 import torch
 
+from accelgen.hardware import synchronize
 from accelgen.models.batch import batched_forward
-from accelgen.models.runner import runner_for
+from accelgen.models.engines import runner_for
 
 
 def timing_prompt(model, context_tokens: int) -> list[int]:
@@ -42,8 +44,10 @@ def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repea
         block = torch.tensor((prompt_ids * k)[:k])  # token values do not change the cost
         times = []
         for _ in range(repeats + 1):
+            synchronize(model.device)
             started = time.perf_counter()
             batched_forward(runners, [(block, None, k)] * batch)
+            synchronize(model.device)
             times.append(time.perf_counter() - started)
             for runner in runners:
                 runner.keep(prefix, [])  # forget the block again

@@ -136,7 +136,7 @@ class ChatBody(_Body):
 
 def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     """The FastAPI app; starts its own engine thread (stopped gracefully at shutdown) unless one is given."""
-    engine = engine or Engine()
+    engine = engine or Engine(device=getattr(config.model, "device", None))
     service = Service(config, engine, served_methods(config), Admission(config.max_concurrent),
                       Metrics(engine, config.model_name))
 

@@ -15,6 +15,9 @@ Two policies keep the batch fast and fair:
 - speculation by batch size (speculation.py): verifying k tokens costs about as much as one only while the
   whole forward is small, so a policy caps each step's drafts: by measured goodput (`Goodput`, what
   `accelgen serve` uses), or by a fixed token budget (`TokenBudget`).
+
+The policy learns from timed forwards; on a GPU their clocks are read after the device has finished
+(hardware.synchronize), as its kernels run asynchronously.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from accelgen.generate import Chunk, GenerationResult, Sequence, Step
+from accelgen.hardware import synchronize
 from accelgen.models.batch import batched_forward, forward_together
 from accelgen.server.speculation import Goodput, TokenBudget
 
@@ -84,10 +88,13 @@ TRIM_EVERY_SECONDS = 5.0
 
 
 class Engine:
-    def __init__(self, max_batch: int = 8, prefill_chunk: int = 256, speculation: TokenBudget | Goodput | None = None):
-        """speculation: the policy capping drafts by batch (default: a token budget of 8)."""
+    def __init__(self, max_batch: int = 8, prefill_chunk: int = 256, speculation: TokenBudget | Goodput | None = None,
+                 device=None):
+        """speculation: the policy capping drafts by batch (default: a token budget of 8); device: where the models
+        run (None: the CPU), whose queued work the timings wait for."""
         if max_batch < 1 or prefill_chunk < 0:
             raise ValueError("max_batch must be >= 1, prefill_chunk >= 0")
+        self.device = device
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.speculation = speculation or TokenBudget(8)
@@ -188,10 +195,12 @@ class Engine:
 
     def _forward(self, group: list[tuple[Request, Step]]) -> list:
         """One batched target forward over these requests' steps: each one's logits, or the exception for all."""
+        synchronize(self.device)
         started = time.perf_counter()
         try:
             logits = batched_forward([request.sequence.target for request, _ in group],
                                      [step.forward_args for _, step in group])
+            synchronize(self.device)
         except Exception as error:
             return [error] * len(group)
         widest = max(len(step.input_ids) for _, step in group)  # every block is padded to the widest
@@ -227,8 +236,10 @@ class Engine:
         self.stats.draft_cap = cap
         self.stats.draft_cap_total += cap or 0
         # draft models run for the whole batch in lockstep, one batched forward per draft step
+        synchronize(self.device)
         drafting_started = time.perf_counter()
         steps = forward_together([r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active])
+        synchronize(self.device)
         drafted_with_model = [len(step.draft) for r, step in zip(active, steps)
                               if isinstance(step, Step) and step.draft and r.sequence.drafts_with_a_model]
         if drafted_with_model:

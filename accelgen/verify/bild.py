@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import Draft, Verdict
+from accelgen.draft import Draft, Verdict, to_device
 
 
 def rollback_distances(target_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -34,8 +34,10 @@ def verify_bild(draft: Draft, target_logits: torch.Tensor, rollback_threshold: f
     if not draft.is_chain:
         raise ValueError("BiLD verification needs a chain draft, not a tree")
     n = len(draft)
+    tokens = to_device(draft.tokens, target_logits.device)
     target_choice = target_logits.argmax(dim=-1)  # (n+1,)
-    kept = (draft.tokens == target_choice[:n]) | (rollback_distances(target_logits[:n], draft.tokens) <= rollback_threshold)
-    kept = kept.tolist()
-    accepted_length = kept.index(False) if False in kept else n
-    return Verdict(list(range(accepted_length)), int(target_choice[accepted_length]))
+    kept = (tokens == target_choice[:n]) | (rollback_distances(target_logits[:n], tokens) <= rollback_threshold)
+    read = torch.cat([kept.long(), target_choice]).tolist()  # the one host read: (n,) then (n+1,)
+    kept, target_choice = read[:n], read[n:]
+    accepted_length = kept.index(0) if 0 in kept else n
+    return Verdict(list(range(accepted_length)), target_choice[accepted_length])

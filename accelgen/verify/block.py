@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import Draft, Verdict
-from accelgen.sampling import sample
+from accelgen.draft import Draft, Verdict, to_device
+from accelgen.sampling import draw, uniforms
+from accelgen.verify.sampling import draft_distributions
 
 
 def verify_block(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-    """Block verification of a chain draft.
+    """Block verification of a chain draft, decided on target_probs' device with one host read.
 
     draft.draft_probs: (g, vocab), row i = q(. | tokens before node i); None for a deterministic draft (a point
     mass on each drafted token). target_probs: (g+1, vocab), row i = p(. | tokens before node i), row g after
@@ -36,43 +37,51 @@ def verify_block(draft: Draft, target_probs: torch.Tensor, generator: torch.Gene
     if not draft.is_chain:
         raise ValueError("block verification needs a chain draft, not a tree")
     g = len(draft)
-    draft_probs = _draft_distributions(draft, target_probs)  # (g, vocab)
-    tokens = draft.tokens.tolist()
-    weights = [1.0]  # weights[i] after i accepted-candidate tokens
-    for i, token in enumerate(tokens):
-        ratio = float(target_probs[i, token]) / float(draft_probs[i, token])
-        weights.append(min(1.0, weights[-1] * ratio))
-    uniforms = torch.rand(g, generator=generator).tolist()
-    accepted_length = 0
-    for i in range(1, g + 1):  # the largest i that passes its test wins: it may follow failed ones
-        if uniforms[i - 1] <= _stop_probability(i, g, weights[i], target_probs, draft_probs):
-            accepted_length = i
-    accepted = list(range(accepted_length))
-    if accepted_length == g:
-        return Verdict(accepted, sample(target_probs[g], generator))
-    leftover = _leftover(weights[accepted_length], target_probs[accepted_length], draft_probs[accepted_length])
-    if leftover.sum() <= 0:  # only by rounding: stopping here has probability 0 in exact arithmetic
-        return Verdict(accepted, sample(target_probs[accepted_length], generator))
-    return Verdict(accepted, sample(leftover / leftover.sum(), generator))
+    device = target_probs.device
+    tokens = to_device(draft.tokens, device)  # (g,)
+    draft_probs = draft_distributions(draft, target_probs).double()  # (g, vocab)
+    target = target_probs.double()  # (g+1, vocab): the rule's products and sums compound, so float64
+    weights = block_weights(target[:g].gather(1, tokens[:, None])[:, 0], draft_probs.gather(1, tokens[:, None])[:, 0])
+    leftovers = _leftover(weights[:g, None], target[:g], draft_probs)  # (g, vocab) row i: after i kept tokens
+    stops = stop_probabilities(weights, leftovers.sum(dim=-1))  # (g,) for i = 1..g
+    passes = uniforms(g, target_probs, generator).double() <= stops
+    # the largest i that passes its test wins: it may follow failed ones (0 when none passes)
+    kept = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
+                      torch.where(passes, torch.arange(1, g + 1, device=device), 0)]).max().view(1)
+    # the next token: from p after the whole block, else from norm(leftover) where the block stopped
+    rows = torch.cat([leftovers, target[g:]])  # (g+1, vocab)
+    row, fallback = rows.index_select(0, kept), target.index_select(0, kept)  # (1, vocab) each
+    total = row.sum(dim=-1, keepdim=True)
+    # nothing left only by rounding: stopping there has probability 0 in exact arithmetic
+    row = torch.where(total > 0, row / total, fallback)
+    next_token = draw(row.to(target_probs.dtype), generator)
+    accepted_length, next_token = torch.cat([kept, next_token]).tolist()  # the one host read
+    return Verdict(list(range(accepted_length)), next_token)
 
 
-def _stop_probability(i: int, g: int, weight: float, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> float:
-    """Probability of keeping exactly the first i tokens (given no longer prefix was kept)."""
-    if i == g:
-        return weight
-    leftover = float(_leftover(weight, target_probs[i], draft_probs[i]).sum())
+def block_weights(target_of_drafted: torch.Tensor, draft_of_drafted: torch.Tensor) -> torch.Tensor:
+    """(g+1,) weight_0 = 1, weight_i = min(1, weight_{i-1} * p_i(x_i) / q_i(x_i)), from (g,) p_i(x_i) and (g,)
+    q_i(x_i) on their device (a short loop of device operations: nothing is read back)."""
+    ratios = target_of_drafted / draft_of_drafted
+    weights = [torch.ones((), dtype=ratios.dtype, device=ratios.device)]
+    for ratio in ratios:
+        weights.append(torch.clamp(weights[-1] * ratio, max=1.0))
+    return torch.stack(weights)
+
+
+def stop_probabilities(weights: torch.Tensor, leftover_mass: torch.Tensor) -> torch.Tensor:
+    """(g,) the probability of keeping exactly the first i tokens (given no longer prefix was kept), i = 1..g, from
+    weights (g+1,) and leftover_mass (g,) = sum of leftover_i (row i: after i kept tokens)."""
+    g = len(leftover_mass)
+    if g == 0:
+        return leftover_mass
+    weight, leftover = weights[1:g], leftover_mass[1:]  # i = 1..g-1
     denominator = leftover + 1.0 - weight
-    return leftover / denominator if denominator > 0 else 0.0  # nothing left to draw from: never stop here
+    # nothing left to draw from and the block fully kept: never stop here
+    inner = torch.where(denominator > 0, leftover / denominator, torch.zeros_like(leftover))
+    return torch.cat([inner, weights[g:]])
 
 
-def _leftover(weight: float, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """(vocab,) max(0, weight * p - q): target mass the draft did not cover after a kept prefix."""
-    return (weight * target_probs.double() - draft_probs.double()).clamp_min(0)
-
-
-def _draft_distributions(draft: Draft, like: torch.Tensor) -> torch.Tensor:
-    if draft.draft_probs is not None:
-        return draft.draft_probs.to(like.dtype)
-    point_masses = torch.zeros(len(draft), like.shape[-1], dtype=like.dtype)
-    point_masses[torch.arange(len(draft)), draft.tokens] = 1.0
-    return point_masses
+def _leftover(weight: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """(..., vocab) max(0, weight * p - q): target mass the draft did not cover after a kept prefix."""
+    return (weight * target_probs - draft_probs).clamp_min(0)

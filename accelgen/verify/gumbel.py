@@ -21,6 +21,7 @@ from accelgen.verify.greedy import follow_choices
 def verify_gumbel(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, first_position: int) -> Verdict:
     """target_logits: (n+1, vocab) processed, row 0 at the root (predicting absolute position first_position) and
     row i+1 after node i (predicting first_position + depth(i)); sampling.noise gives each position's noise."""
-    positions = [first_position] + (first_position + depths(draft.parents)).tolist()  # (n+1,)
-    choices = gumbel_choice(logits_to_probs(target_logits, sampling), sampling.noise.rows(positions))
-    return follow_choices(draft, choices.tolist())
+    positions = [first_position] + (first_position + depths(draft.parents)).tolist()  # (n+1,) host-built
+    probs = logits_to_probs(target_logits, sampling)
+    choices = gumbel_choice(probs, sampling.noise.rows(positions, like=probs))  # drawn on the logits' device
+    return follow_choices(draft, choices.tolist())  # the one host read

@@ -21,30 +21,33 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import Draft, Verdict, children
+from accelgen.draft import Draft, Verdict, children, to_device
 from accelgen.verify.sampling import verify_speculative_sampling
 
 
 def without_replacement_rows(draft: Draft) -> torch.Tensor:
     """(n, vocab): the distribution each node was drawn from, given draft.draft_probs[i] = q at i's parent.
 
-    Siblings are taken in node order; each row is q with the earlier siblings' tokens removed, renormalised.
+    Siblings are taken in node order; each row is q with the earlier siblings' tokens removed, renormalised (on
+    the rows' device, reading nothing back: the drafter draws no more children than the support holds, so a row
+    always keeps some mass).
     """
     if draft.draft_probs is None:
         raise ValueError("verification without replacement needs the draft distributions (draft_probs)")
-    rows = draft.draft_probs.clone()  # (n, vocab)
-    tokens = draft.tokens.tolist()
+    tokens = draft.tokens.tolist()  # host-built: the draft's own tokens
+    removed_rows, removed_tokens = [], []  # (child, token of an earlier sibling) pairs to zero
     for siblings in children(draft.parents).values():
         for j, child in enumerate(siblings):
             earlier = [tokens[s] for s in siblings[:j]]
             if len(set(earlier + [tokens[child]])) != j + 1:
                 raise ValueError(f"siblings drawn without replacement repeat a token ({tokens[child]})")
-            rows[child, earlier] = 0.0
-            total = rows[child].sum()
-            if total <= 0:
-                raise ValueError("a child was drawn from a draft distribution with no mass left")
-            rows[child] /= total
-    return rows
+            removed_rows += [child] * len(earlier)
+            removed_tokens += earlier
+    rows = draft.draft_probs.clone()  # (n, vocab)
+    device = rows.device
+    rows.index_put_((to_device(removed_rows, device), to_device(removed_tokens, device)),
+                    torch.zeros((), dtype=rows.dtype, device=device))
+    return rows / rows.sum(dim=-1, keepdim=True)
 
 
 def verify_without_replacement(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import Draft, Verdict
+from accelgen.draft import Draft, Verdict, to_device
 
 
 def check_specdec_options(beta, tau) -> None:
@@ -33,7 +33,7 @@ def relaxed_matches(target_logits: torch.Tensor, tokens: torch.Tensor, beta: int
     target_logits: (n, vocab), row i scores the position of tokens[i]; tokens: (n,) long.
     """
     drafted = target_logits.gather(-1, tokens[:, None])  # (n, 1)
-    ids = torch.arange(target_logits.shape[-1])
+    ids = torch.arange(target_logits.shape[-1], device=target_logits.device)
     # tokens ranked above the drafted one; ties go to the lower id, as argmax does
     ahead = (target_logits > drafted) | ((target_logits == drafted) & (ids < tokens[:, None]))
     rank = ahead.sum(dim=-1)  # (n,) 0 for the argmax
@@ -48,6 +48,9 @@ def verify_specdec(draft: Draft, target_logits: torch.Tensor, beta: int, tau: fl
     if not draft.is_chain:
         raise ValueError("specdec verification needs a chain draft, not a tree")
     n = len(draft)
-    passes = relaxed_matches(target_logits[:n], draft.tokens, beta, tau).tolist()
-    accepted_length = passes.index(False) if False in passes else n
-    return Verdict(list(range(accepted_length)), int(target_logits[accepted_length].argmax()))
+    tokens = to_device(draft.tokens, target_logits.device)
+    passes = relaxed_matches(target_logits[:n], tokens, beta, tau)
+    read = torch.cat([passes.long(), target_logits.argmax(dim=-1)]).tolist()  # the one host read: (n,) then (n+1,)
+    passes, target_choice = read[:n], read[n:]
+    accepted_length = passes.index(0) if 0 in passes else n
+    return Verdict(list(range(accepted_length)), target_choice[accepted_length])

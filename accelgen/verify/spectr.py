@@ -33,7 +33,7 @@ import bisect
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict, children
-from accelgen.sampling import sample
+from accelgen.sampling import sample, uniforms
 
 BISECTION_STEPS = 16  # rho within (K - 1) / 2^16 of the best safe value: a negligible loss in acceptance
 
@@ -99,7 +99,7 @@ def k_seq(candidates: list[int], draft_probs: torch.Tensor, target_probs: torch.
     rho = acceptance_scale(draft_probs, target_probs, len(candidates))
     for index, token in enumerate(candidates):
         # accept with probability min(1, p / (rho q)): compare u*rho*q < p to avoid dividing by q
-        if torch.rand((), generator=generator) * rho * draft_probs[token] < target_probs[token]:
+        if uniforms(1, target_probs, generator)[0] * rho * draft_probs[token] < target_probs[token]:
             return index, token
     return None, sample(k_seq_residual(draft_probs, target_probs, len(candidates), rho), generator)
 
@@ -125,8 +125,8 @@ def verify_spectr(draft: Draft, target_probs: torch.Tensor, generator: torch.Gen
         if not candidates:  # every sequence through here ended: the bonus token
             return Verdict(accepted, sample(probs, generator))
         # all candidates were drawn from q at the same prefix: one row stands for them all
-        chosen, token = k_seq([tokens[c] for c in candidates], draft.draft_probs[candidates[0]].to(probs.dtype),
-                              probs, generator)
+        drawn_from = draft.draft_probs[candidates[0]].to(device=probs.device, dtype=probs.dtype)
+        chosen, token = k_seq([tokens[c] for c in candidates], drawn_from, probs, generator)
         if chosen is None:
             return Verdict(accepted, token)
         node = candidates[chosen]

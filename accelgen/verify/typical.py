@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from accelgen.draft import Draft, Verdict, depths
+from accelgen.draft import Draft, Verdict, depths, to_device
 
 
 def check_typical_options(epsilon, delta) -> None:
@@ -25,25 +25,33 @@ def check_typical_options(epsilon, delta) -> None:
 
 def typical_passes(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: float) -> list[bool]:
     """Whether each node's token passes under its parent's row; target_logits (n+1, vocab), row 0 the root."""
+    return passing(target_logits, draft, epsilon, delta).tolist()
+
+
+def passing(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: float) -> torch.Tensor:
+    """typical_passes left on the logits' device: (n,) bool."""
     probs = torch.softmax(target_logits.float(), dim=-1)
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)  # (n+1,)
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
-    rows = draft.parents + 1  # the row that scores each node: its parent's (0 for the root's children)
-    return (probs[rows, draft.tokens] > threshold[rows]).tolist()
+    rows = to_device(draft.parents + 1, probs.device)  # the row that scores each node: its parent's (0 for the root's)
+    tokens = to_device(draft.tokens, probs.device)
+    return probs[rows, tokens] > threshold[rows]
 
 
 def verify_typical(draft: Draft, target_logits: torch.Tensor, epsilon: float, delta: float) -> Verdict:
     """The deepest node whose whole path passes typical acceptance, then the target's argmax after it."""
-    passes = typical_passes(target_logits, draft, epsilon, delta) if len(draft) else []
+    n = len(draft)
+    read = torch.cat([passing(target_logits, draft, epsilon, delta).long(), target_logits.argmax(dim=-1)]).tolist()
+    passes, choices = read[:n], read[n:]  # the one host read: (n,) then the target's (n+1,) choices
     parents, levels = draft.parents.tolist(), depths(draft.parents).tolist()
     reached = []  # nodes whose path from the root passes entirely (parents come first)
     for node, parent in enumerate(parents):
         if passes[node] and (parent < 0 or parent in reached):
             reached.append(node)
     if not reached:
-        return Verdict([], int(target_logits[0].argmax()))
+        return Verdict([], choices[0])
     deepest = max(reached, key=lambda node: (levels[node], -node))
     path = [deepest]
     while parents[path[-1]] >= 0:
         path.append(parents[path[-1]])
-    return Verdict(path[::-1], int(target_logits[deepest + 1].argmax()))
+    return Verdict(path[::-1], choices[deepest + 1])

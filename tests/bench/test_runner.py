@@ -7,6 +7,7 @@ import inspect
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import accelgen
@@ -331,7 +332,8 @@ def test_rows_in_their_own_format_are_checked_against_that_formats_autoregressiv
     assert "weights" in inspect.signature(accelgen.load_model).parameters
     loaded = []
 
-    def load_quantized(name, dtype=None, weights=None, threads=None):  # "tiny" is no model name: quantize a copy
+    def load_quantized(name, dtype=None, weights=None, threads=None, device=None):  # "tiny": quantize a copy
+        assert device == "cpu"  # the run's own device
         loaded.append((name, weights))
         model = copy.deepcopy(tiny_target)
         quantize(model, weights)
@@ -352,3 +354,45 @@ def test_rows_in_their_own_format_are_checked_against_that_formats_autoregressiv
     assert overall["speculative@weights=int8"]["format_speedup_total"] is not None
     report_text = (out_dir / "report.md").read_text()
     assert "flags:" in report_text and "vs autoregressive, same weights" in report_text
+
+
+def test_the_run_records_its_device_and_resumes_a_run_saved_before_there_was_one(tmp_path, prompts_file, tiny_target,
+                                                                                  tokenizer):
+    results, out_dir = bench(tmp_path, prompts_file, tiny_target, tokenizer, methods=["hf-greedy"], limit=1)
+    assert results["metadata"]["device"] == {"type": "cpu"} and results["config"]["device"] == "cpu"
+    assert "- device:" not in (out_dir / "report.md").read_text()  # a CPU run is described by its machine line
+    saved = json.loads((out_dir / "run.json").read_text())
+    del saved["config"]["device"]  # as written before --device existed: those runs ran on the CPU
+    (out_dir / "run.json").write_text(json.dumps(saved))
+    config = BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", methods=["hf-greedy"], limit=1,
+                         max_new_tokens=8, warmup=False, device="cpu")
+    runner.run(runner.plan(config), tiny_target, tokenizer, out_dir)  # resumed, not refused
+    assert len(json.loads((out_dir / "run.json").read_text())["resumed"]) == 1
+
+
+def test_a_bad_device_is_refused_before_anything_loads(prompts_file):
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        runner.plan(BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", device="gpu"))
+
+
+def test_models_on_another_device_than_the_runs_are_refused():
+    from types import SimpleNamespace
+
+    config = BenchConfig(model="tiny", dataset="humaneval")
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"the draft model is on cuda:0 but the run's device is cpu: load it there"):
+        runner.check_devices(config, SimpleNamespace(device=torch.device("cpu")), elsewhere)
+
+
+def test_a_gpu_run_leaves_out_llamacpps_cpu_rows(prompts_file, monkeypatch):
+    monkeypatch.setattr(runner, "resolve_device", lambda device: torch.device("cuda", 0))  # as if on a GPU machine
+    monkeypatch.setattr(runner, "resolve_methods", lambda *args: (
+        [methods.HF_METHODS["hf-greedy"], methods.LLAMACPP_METHODS["llamacpp"]], []))
+    plan = runner.plan(BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", device="cuda"))
+    assert [m.name for m in plan.methods] == ["hf-greedy"]
+    assert plan.notes == ["skipping llamacpp: llama.cpp runs on the CPU only, this run on cuda"]
+    with pytest.raises(ValueError, match="llamacpp runs on llama.cpp's CPU engine only, not on cuda: leave it out"):
+        runner.plan(BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", device="cuda",
+                                methods=["hf-greedy", "llamacpp"]))
+    with pytest.raises(ValueError, match="weights=gguf runs on llama.cpp's CPU engine only"):
+        runner.plan(BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", device="cuda", weights="gguf"))

@@ -79,6 +79,20 @@ def test_draft_cache_forgets_rejected_tokens(tiny_target, tiny_draft, assert_reo
         assert_reordered(ours.keys, theirs.keys)
 
 
+def test_a_stop_token_ends_the_draft_after_it(tiny_target):
+    """The draft model's EOS ends its draft (the tokens are read once, at the end, so drafting ran on past it);
+    the next proposal rolls the cache back to the committed context as if it had stopped there."""
+    from accelgen.drafters.draft_decoding import TokenChoice, decode_draft
+
+    free, _ = decode_draft(ModelRunner(tiny_target), [], PROMPT, 6)
+    stop = free[2]
+    runner, cached_tokens = ModelRunner(tiny_target), []
+    tokens, _ = decode_draft(runner, cached_tokens, PROMPT, 6, TokenChoice(stop_tokens=frozenset({stop})))
+    assert tokens == free[: free.index(stop) + 1] and len(tokens) < 6
+    following, _ = decode_draft(runner, cached_tokens, PROMPT + tokens, 3)
+    assert following == decode_draft(ModelRunner(tiny_target), [], PROMPT + tokens, 3)[0]
+
+
 def test_confidence_threshold_drafts_less_and_stays_lossless(smollm):
     model, tokenizer = smollm
     prompt = [{"role": "user", "content": "List three uses of Python dictionaries."}]

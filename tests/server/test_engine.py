@@ -214,3 +214,15 @@ def test_requests_drafting_from_the_targets_features_share_a_batch(tiny_target, 
                                        tokenizer, requests)
     assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
     assert batched[0].stats["draft_tokens"] > 0
+
+
+def test_the_engine_times_forwards_after_its_device_is_done(tiny_target, tokenizer, monkeypatch):
+    """Each timed forward is read between synchronizations of the engine's device (no-ops on the CPU), so that a
+    GPU's asynchronous kernels are in the timings the speculation policy learns from."""
+    waited = []
+    monkeypatch.setattr(engine_module, "synchronize", lambda device: waited.append(device))
+    engine = Engine(max_batch=2, device=tiny_target.device)
+    submit(engine, tiny_target, tokenizer, PROMPTS[0], max_new_tokens=3)
+    engine.step()
+    assert waited and set(waited) == {tiny_target.device} and len(waited) % 2 == 0  # before and after each
+    assert Engine().device is None  # the CPU: nothing to wait for

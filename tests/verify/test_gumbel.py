@@ -53,8 +53,8 @@ def test_per_position_noise_reproduces_the_target(synthetic, branching, coupled_
 class OnePositionNoise(PositionNoise):
     """A wrong rule's noise: every position reads the first position's (as if rows ignored their depth)."""
 
-    def rows(self, positions: list[int]) -> torch.Tensor:
-        return super().rows([FIRST_POSITION] * len(positions))
+    def rows(self, positions: list[int], like: torch.Tensor | None = None) -> torch.Tensor:
+        return super().rows([FIRST_POSITION] * len(positions), like)
 
 
 def two_positions_law(synthetic, noise_kind) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.sampling import sample
-from accelgen.verify import verify_speculative_sampling
+from accelgen.verify import verify_node_by_node, verify_speculative_sampling
 
 from .conftest import VOCAB, random_distribution, total_variation, tv_bound
 
@@ -47,9 +47,10 @@ def two_token_frequencies(verifier, seed: int) -> tuple[torch.Tensor, torch.Tens
     return counts.flatten(), exact.flatten()
 
 
+@pytest.mark.parametrize("rule", [verify_speculative_sampling, verify_node_by_node])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_speculative_sampling_reproduces_the_target(seed):
-    counts, exact = two_token_frequencies(verify_speculative_sampling, seed)
+def test_speculative_sampling_reproduces_the_target(seed, rule):
+    counts, exact = two_token_frequencies(rule, seed)
     assert total_variation(counts, exact) < tv_bound(VOCAB * VOCAB, DRAWS)
 
 
@@ -58,7 +59,8 @@ def test_always_accepting_verifier_fails_the_same_test():
     assert total_variation(counts, exact) > 3 * tv_bound(VOCAB * VOCAB, DRAWS)
 
 
-def test_deterministic_tree_draft_reproduces_the_target():
+@pytest.mark.parametrize("rule", [verify_speculative_sampling, verify_node_by_node])
+def test_deterministic_tree_draft_reproduces_the_target(rule):
     """A model-free draft (no draft_probs) with three alternatives for the first token: still exact."""
     tables = torch.Generator().manual_seed(3)
     target_first = random_distribution(tables)
@@ -67,7 +69,7 @@ def test_deterministic_tree_draft_reproduces_the_target():
     rng = torch.Generator().manual_seed(4)
     counts = torch.zeros(VOCAB)
     for _ in range(DRAWS):
-        counts[verify_speculative_sampling(draft, target_probs, rng).new_tokens(draft)[0]] += 1
+        counts[rule(draft, target_probs, rng).new_tokens(draft)[0]] += 1
     assert total_variation(counts, target_first) < tv_bound(VOCAB, DRAWS)
 
 

@@ -8,7 +8,7 @@ import torch
 import accelgen.verify.spectr as spectr
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.sampling import sample
-from accelgen.verify import verify_speculative_sampling, verify_spectr
+from accelgen.verify import verify_node_by_node, verify_spectr
 
 DRAWS = 20_000
 NUM_DRAFTS = 4  # sequences of two tokens: a 4 x 1 tree
@@ -103,7 +103,7 @@ def test_one_sequence_is_speculative_sampling_draw_for_draw(synthetic):
         draft_probs = synthetic.random_distribution(tables, length)
         target_probs = synthetic.random_distribution(tables, length + 1)
         draft = Draft.chain(torch.tensor([sample(row, tables) for row in draft_probs]), draft_probs)
-        expected = verify_speculative_sampling(draft, target_probs, torch.Generator().manual_seed(case))
+        expected = verify_node_by_node(draft, target_probs, torch.Generator().manual_seed(case))
         assert verify_spectr(draft, target_probs, torch.Generator().manual_seed(case)) == expected
 
 

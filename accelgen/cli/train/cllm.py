@@ -8,7 +8,7 @@ from pathlib import Path
 
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors, set_threads
 from accelgen.cli.flags import Flags, command, flag
-from accelgen.cli.train.common import model_flag, out_flag, progress_bar, threads_flag
+from accelgen.cli.train.common import check_device_flag, device_flag, model_flag, out_flag, progress_bar, threads_flag
 from accelgen.train.cllm import CllmConfig
 from accelgen.train.loop import ScaleOut, is_main_process, main_process_first
 
@@ -27,6 +27,11 @@ class CllmRun:
     blocks_per_prompt: int = flag(4, "Consecutive blocks collected after each prompt.", min=1)
     prompts_per_shard: int = flag(16, "Prompts iterated together and cached per shard.", min=1)
     threads: int | None = threads_flag()
+    device: str | None = device_flag("Where the model collects its Jacobi trajectories and is evaluated: cpu, cuda, "
+                                     "cuda:N or auto (default: cpu); it trains where accelerate puts it.")
+
+    def __post_init__(self):
+        check_device_flag(self.device)
 
 
 def cllm(run: CllmRun, config: CllmConfig, scale: ScaleOut) -> None:
@@ -54,7 +59,7 @@ def cllm(run: CllmRun, config: CllmConfig, scale: ScaleOut) -> None:
     with reported_errors(FILE_ERRORS):
         set_threads(run.threads)
         with console.status(f"loading {run.model} …"):
-            model, tokenizer = load_model(run.model, dtype="float32")
+            model, tokenizer = load_model(run.model, dtype="float32", device=run.device)
         identity = base_identity(model, run.model)
         check_base(run.out, identity)
         main = is_main_process()  # the first process writes the run's files and evaluates

@@ -47,6 +47,20 @@ def threads_flag() -> Any:
     return flag(None, "torch CPU threads (default: torch's).", min=1)
 
 
+def device_flag(help: str) -> Any:
+    """--device of a trainer whose models also run outside the training loop (which runs where accelerate puts
+    it); `help` says which models and the default."""
+    return flag(None, help)
+
+
+def check_device_flag(device: str | None) -> None:
+    """A --device that is not there, refused as the flags are read (a ValueError: exit status 2)."""
+    from accelgen.models.loading import resolve_device
+
+    if device is not None:
+        resolve_device(device)
+
+
 @dataclass
 class WindowsRun:
     """The flags of a trainer on token windows of a dataset (each trainer says what its --out folder holds)."""
@@ -254,15 +268,17 @@ def save_evaluation(run: WindowsRun, config, times: dict, evaluation: dict) -> N
         "resumed_at": times["resumed_at"], "processes": times.get("processes", 1), **evaluation})
 
 
-def target_and_trainable_draft(model: str, draft: str, dtype: str | None, threads: int | None):
-    """The target (in dtype) and the draft model, the draft in float32 to train; (target, tokenizer, draft,
-    the draft's tokenizer, the dtype to save the draft in)."""
+def target_and_trainable_draft(model: str, draft: str, dtype: str | None, threads: int | None,
+                               device: str | None = None):
+    """The target (in dtype) and the draft model on `device` (None: the training device), the draft in float32 to
+    train; (target, tokenizer, draft, the draft's tokenizer, the dtype to save the draft in)."""
     from accelgen.models import load_model
 
     set_threads(threads)
-    with console.status(f"loading {model} and {draft} …"):
-        target_model, tokenizer = load_model(model, dtype=dtype, device=str(training_device()))
-        draft_model, draft_tokenizer = load_model(draft, device=str(training_device()))
+    device = device or str(training_device())
+    with console.status(f"loading {model} and {draft} on {device} …"):
+        target_model, tokenizer = load_model(model, dtype=dtype, device=device)
+        draft_model, draft_tokenizer = load_model(draft, device=device)
     saved_dtype = draft_model.dtype  # the trained draft is saved as the original was
     draft_model.float()  # it trains in place: float32 keeps small updates
     return target_model, tokenizer, draft_model, draft_tokenizer, saved_dtype

@@ -13,8 +13,8 @@ from rich.console import Console
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import REQUIRED, Flags, command, flag
-from accelgen.cli.train.common import (TARGET_HELP, draft_flag, model_flag, out_flag, progress_bar,
-                                       target_and_trainable_draft, threads_flag)
+from accelgen.cli.train.common import (TARGET_HELP, check_device_flag, device_flag, draft_flag, model_flag, out_flag,
+                                       progress_bar, target_and_trainable_draft, threads_flag)
 
 
 @dataclass
@@ -40,6 +40,11 @@ class OnlineRun:
     dtype: Optional[str] = flag(None, "Dtype of the target (default: its embedded one); the draft runs and trains in "
                                       "float32.")
     threads: Optional[int] = threads_flag()
+    device: Optional[str] = device_flag("Where the target and the draft run, and the draft learns: cpu, cuda, cuda:N "
+                                        "or auto (default: this machine's GPU if it has one, else the CPU).")
+
+    def __post_init__(self):
+        check_device_flag(self.device)
 
 
 def online(run: OnlineRun) -> None:
@@ -55,7 +60,7 @@ def online(run: OnlineRun) -> None:
         if not stream:
             raise ValueError(f"dataset {run.dataset!r} has no prompts")
         target_model, tokenizer, draft_model, draft_tokenizer, saved_dtype = target_and_trainable_draft(
-            run.model, run.draft, run.dtype, run.threads)
+            run.model, run.draft, run.dtype, run.threads, run.device)
         baseline_draft = copy.deepcopy(draft_model) if run.baseline else None
         learner = OnlineLearner()
         learning = dict(interval=interval, update_steps=run.update_steps, learning_rate=run.learning_rate,

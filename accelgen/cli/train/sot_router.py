@@ -12,7 +12,7 @@ from typing import Optional
 from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, load_with_progress, reported_errors, set_threads
 from accelgen.cli.flags import Flags, command, flag
-from accelgen.cli.train.common import model_flag, out_flag, progress_bar, threads_flag
+from accelgen.cli.train.common import check_device_flag, device_flag, model_flag, out_flag, progress_bar, threads_flag
 from accelgen.skeleton.router import RouterConfig
 from accelgen.train.loop import ScaleOut, is_main_process, main_process_first
 
@@ -29,6 +29,11 @@ class SotRouterRun:
     labels: Optional[Path] = flag(None, "The labels' cache file (default: OUT/labels.json); a rerun reuses it.")
     out: Path = out_flag("Folder for the router (then: accelgen sot --router OUT).")
     threads: Optional[int] = threads_flag()
+    device: Optional[str] = device_flag("Where the labeller answers and the model reads the questions: cpu, cuda, "
+                                        "cuda:N or auto (default: cpu); the router trains where accelerate puts it.")
+
+    def __post_init__(self):
+        check_device_flag(self.device)
 
 
 def router_questions(run: SotRouterRun) -> tuple[list[str], list[str]]:
@@ -49,7 +54,7 @@ def router_questions(run: SotRouterRun) -> tuple[list[str], list[str]]:
 def labelled(run: SotRouterRun, questions: list[str]) -> list[int]:
     from accelgen.skeleton.labels import cached_labels
 
-    labeller, tokenizer = load_with_progress(run.labeller, None, run.labeller_weights)
+    labeller, tokenizer = load_with_progress(run.labeller, None, run.labeller_weights, run.device)
     with progress_bar(len(questions), f"labels by {run.labeller}") as show:
         return cached_labels(labeller, tokenizer, questions, run.labels or run.out / "labels.json", run.labeller,
                              progress=lambda done: show({"step": done}, ""))
@@ -70,7 +75,7 @@ def sot_router(run: SotRouterRun, config: RouterConfig, scale: ScaleOut) -> None
         with main_process_first():  # the first labels and caches them, the others read the cache
             labels = torch.tensor(labelled(run, questions))
         labelling = time.perf_counter() - started
-        model, tokenizer = load_with_progress(run.model, None, run.weights)
+        model, tokenizer = load_with_progress(run.model, None, run.weights, run.device)
         with progress_bar(len(questions), f"features by {run.model}") as show:
             features = question_features(model, tokenizer, questions, lambda done: show({"step": done}, ""))
         training, held = held_out_split(len(questions), config.held_out, config.seed)

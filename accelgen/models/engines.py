@@ -1,0 +1,32 @@
+"""Which runner a model decodes with: its own engine's (llama.cpp), the static-cache runner with CUDA graphs on a
+GPU (models/static.py), or the dynamic-cache ModelRunner (models/runner.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from accelgen.models.llamacpp import LlamaCppModel
+from accelgen.models.runner import ModelRunner
+from accelgen.models.static import StaticRunner, static_cache_refusal
+
+# "auto": static cache and CUDA graphs on a GPU where the model allows (the dynamic cache elsewhere); "static": the
+# static cache anywhere (CUDA graphs on a GPU); "dynamic": a growing cache, every forward eager
+CACHES = ("auto", "static", "dynamic")
+
+
+def runner_for(model, cache: str = "auto"):
+    """A fresh runner over a model (a transformers model, or a GGUF file loaded by llama.cpp), its cache as
+    `cache` (one of CACHES) says."""
+    if cache not in CACHES:
+        raise ValueError(f"unknown cache {cache!r}; choose one of {', '.join(CACHES)}")
+    if isinstance(model, LlamaCppModel):
+        if cache == "static":
+            raise ValueError("cache='static' is for PyTorch models; llama.cpp keeps its own cache")
+        return model.new_runner()
+    if cache == "static" or cache == "auto" and on_cuda(model) and static_cache_refusal(model) is None:
+        return StaticRunner(model)
+    return ModelRunner(model)
+
+
+def on_cuda(model) -> bool:
+    return isinstance(model, torch.nn.Module) and model.device.type == "cuda"
