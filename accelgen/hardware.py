@@ -18,6 +18,7 @@ import platform
 import re
 import shutil
 import subprocess
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -90,6 +91,16 @@ def synchronize(device) -> None:
     asynchronously. A no-op on the CPU (and for None)."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(device, call):
+    """(call()'s result, the seconds it took on `device`): the clock is read only once the device has done the
+    work queued before and by the call."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = call()
+    synchronize(device)
+    return result, time.perf_counter() - started
 
 
 def device_name(device) -> str:

@@ -19,6 +19,7 @@ this often cannot keep the GPU busy. Two ways to count them:
 from __future__ import annotations
 
 import contextlib
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -111,8 +112,6 @@ def _counted_reads(reads: HostReads, where: bool):
 
 
 def _caller(name: str) -> str:
-    import traceback
-
     for frame in reversed(traceback.extract_stack()[:-2]):
         if "host_reads" not in frame.filename and "/torch/" not in frame.filename:
             return f"{name} at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} {frame.name}"

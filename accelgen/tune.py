@@ -10,11 +10,10 @@ saved beside the model's weights and `self-speculative` uses it from then on (sk
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from accelgen.atomic import write_json_atomically
-from accelgen.hardware import synchronize
+from accelgen.hardware import timed
 from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
 from accelgen.generate import generate
 from accelgen.models.loading import beside_weights
@@ -26,11 +25,9 @@ def seconds_per_token(model, tokenizer, prompts: list[list[int]], max_new_tokens
     """(seconds per new token, tokens per target forward) over the calibration prompts."""
     seconds = tokens = forwards = 0
     for prompt_ids in prompts:
-        synchronize(model.device)  # on a GPU, the clock waits for the queued work
-        started = time.perf_counter()
-        result = generate(model, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, **method)
-        synchronize(model.device)
-        seconds += time.perf_counter() - started
+        result, elapsed = timed(model.device, lambda: generate(model, tokenizer, prompt_ids,
+                                                               max_new_tokens=max_new_tokens, temperature=0.0, **method))
+        seconds += elapsed
         tokens += len(result.token_ids)
         forwards += result.stats["target_forwards"]
     return seconds / max(tokens, 1), tokens / max(forwards, 1)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import accelgen
+from accelgen.atomic import write_json_atomically
 from accelgen.bench.runner import prompt_token_ids
 from accelgen.datasets import load_dataset
 
@@ -71,8 +72,8 @@ def main() -> None:
         entry["differ"] += 1
         entry["near_ties"] += audit["near_tie"]
     result = {"tolerance": arguments.tolerance, "model": arguments.model, "summary": summary, "audits": audits}
-    text = json.dumps(result, indent=1)
-    (arguments.out.write_text(text) if arguments.out else None)
+    if arguments.out:
+        write_json_atomically(arguments.out, result)
     for name, entry in summary.items():
         print(f"{name}: {entry['differ']} differ, {entry['near_ties']} near-ties (fp32 gap <= {arguments.tolerance})")
     largest = max((abs(a["fp32_gap"]) for a in audits), default=0.0)

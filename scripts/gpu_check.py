@@ -1,17 +1,16 @@
 """A quick check of accelgen on a GPU, part of the GPU benchmark (scripts/gpu_bench.sh).
 
     python scripts/gpu_check.py --tokenizer TOKENIZER_FOLDER [--model MODEL] [--device cuda] [--out FOLDER]
-                                [--parts identity,speed,reads,forwards]
+                                [--parts identity,speed,reads]
 
 With --model (a folder or .gguf file accelgen loads) its real weights, else SmolLM2-135M's architecture
 (benchmarks/gpu-h200-smollm2/configs) with weights drawn at random on the device:
 1. fp32: every method checked is token-identical to `autoregressive` on the dynamic cache, with the static cache
-   and CUDA graphs (cache="auto" on a GPU);
+   (CUDA graphs on a GPU);
 2. bf16: milliseconds per token of HF `generate` greedy, accelgen `autoregressive` on the dynamic cache (eager)
    and on the static cache (graphs), and `pld`;
-3. host reads per target forward, counted (accelgen.host_reads);
-4. t(k): one forward over k new tokens after 256 cached, eager against graphed.
-Prints a table per part and writes check.json. Runs on the CPU too (--device cpu: no graphs), to check the check.
+3. host reads per target forward, counted (accelgen.host_reads).
+(t(k), eager against graphed: scripts/gpu_costs.py.) Prints a table per part and writes check.json. Runs on the CPU too (--device cpu: no graphs), to check the check.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import accelgen
+from accelgen.atomic import write_json_atomically
+from accelgen.hardware import timed
 from accelgen.host_reads import count_host_reads
-from accelgen.models.engines import runner_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu-h200-smollm2" / "configs"
 PROMPTS = [[1, 504, 3458, 282, 260, 2272, 30, 378, 1112] * 4, [1, 7000, 25, 1640, 8000, 12, 5, 17, 923] * 6]
@@ -53,22 +53,10 @@ def random_model(config_name: str, dtype: torch.dtype, device: str, seed: int = 
     return model.eval()
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(call, device: str, repeats: int = 3) -> float:
+def timed_median(call, device: str, repeats: int = 3) -> float:
     """Median seconds of call() over repeats, after one untimed warm-up."""
     call()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        started = time.perf_counter()
-        call()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(timed(device, call)[1] for _ in range(repeats))
 
 
 def options_for(model, options: dict) -> dict:
@@ -93,13 +81,13 @@ def check_identity(model, tokenizer, new_tokens: int) -> list[dict]:
 def speeds(model, tokenizer, device: str, new_tokens: int) -> dict:
     prompt = PROMPTS[1]
     ids = torch.tensor([prompt], device=device)
-    hf = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+    hf = timed_median(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens), device)
     rows = {"hf-greedy": hf}
     for name, method, cache in [("autoregressive (dynamic cache)", "autoregressive", "dynamic"),
-                                ("autoregressive (static cache)", "autoregressive", "auto"),
-                                ("pld (static cache)", "pld", "auto")]:
-        rows[name] = timed(lambda: accelgen.generate(model, tokenizer, prompt, method=method, cache=cache,
+                                ("autoregressive (static cache)", "autoregressive", "static"),
+                                ("pld (static cache)", "pld", "static")]:
+        rows[name] = timed_median(lambda: accelgen.generate(model, tokenizer, prompt, method=method, cache=cache,
                                                      max_new_tokens=new_tokens, eos_ids=set()), device)
     return {name: 1000 * seconds / new_tokens for name, seconds in rows.items()}  # ms per token
 
@@ -119,28 +107,6 @@ def host_reads(model, tokenizer, device: str, new_tokens: int) -> list[dict]:
     return rows
 
 
-def forward_costs(model, device: str, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256) -> dict:
-    """Milliseconds of one forward over k tokens after `context` cached, per runner kind."""
-    from accelgen.models.runner import ModelRunner
-
-    prompt = torch.arange(1, context + 1)
-    costs = {}
-    for name, make in [("eager", ModelRunner), ("graphed", lambda m: runner_for(m, "static"))]:
-        runner = make(model)
-        runner.forward(prompt, logits_for_last=1)
-        table = {}
-        for k in sizes:
-            block = torch.arange(100, 100 + k)
-
-            def once():
-                runner.forward(block, logits_for_last=k)
-                runner.keep(context, [])
-
-            table[k] = 1000 * timed(once, device, repeats=10)
-        costs[name] = table
-    return costs
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True)
@@ -148,7 +114,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/gpu-check"))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default=None, help="real weights (default: random weights)")
-    parser.add_argument("--parts", default="identity,speed,reads,forwards")
+    parser.add_argument("--parts", default="identity,speed,reads")
     arguments = parser.parse_args()
     device, new_tokens = arguments.device, arguments.new_tokens
     arguments.out.mkdir(parents=True, exist_ok=True)
@@ -168,8 +134,7 @@ def main() -> None:
 
     parts = {"identity": ("identity_fp32", lambda: check_identity(fp32(), tokenizer, 48)),
              "speed": ("ms_per_token_bf16", lambda: speeds(bf16(), tokenizer, device, new_tokens)),
-             "reads": ("host_reads_bf16", lambda: host_reads(bf16(), tokenizer, device, 48)),
-             "forwards": ("forward_ms_bf16", lambda: forward_costs(bf16(), device))}
+             "reads": ("host_reads_bf16", lambda: host_reads(bf16(), tokenizer, device, 48))}
     report["weights"] = "random" if model is None else model
     for name, part in (parts[key] for key in arguments.parts.split(",")):
         started = time.perf_counter()
@@ -178,7 +143,7 @@ def main() -> None:
         except Exception:
             report[name] = {"error": traceback.format_exc()}
         print(f"== {name} ({time.perf_counter() - started:.1f} s)\n{json.dumps(report[name], indent=1)}", flush=True)
-        (arguments.out / "check.json").write_text(json.dumps(report, indent=1))
+        write_json_atomically(arguments.out / "check.json", report)
 
 
 if __name__ == "__main__":

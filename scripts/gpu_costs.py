@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from accelgen.atomic import save_figure_atomically, write_json_atomically
 from accelgen.models.runner import ModelRunner
 from accelgen.models.static import StaticRunner
+from accelgen.models.timing import batch_forward_seconds, timing_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "benchmarks" / "gpu-h200-smollm2" / "configs"
@@ -45,32 +45,10 @@ def random_model(name: str, device: str):
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
-def median_ms(call, device: str, repeats: int) -> float:
-    call()  # warm-up (and, for graphs, capture)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize(device) if device.startswith("cuda") else None
-        started = time.perf_counter()
-        call()
-        torch.cuda.synchronize(device) if device.startswith("cuda") else None
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
-
-
-def cost_curve(model, runner_class, sizes: list[int], device: str, repeats: int) -> dict[int, float]:
+def cost_curve(model, runner_class, sizes: list[int], repeats: int) -> dict[int, float]:
     """Milliseconds of one forward over k new tokens (all rows' logits) after CONTEXT cached, per k."""
-    runner = runner_class(model)
-    runner.forward(torch.arange(1, CONTEXT + 1), logits_for_last=1)
-    curve = {}
-    for k in sizes:
-        block = torch.arange(100, 100 + k)
-
-        def once():
-            runner.forward(block, logits_for_last=k)
-            runner.keep(CONTEXT, [])  # forget the block: the next forward sees the same cache
-
-        curve[k] = median_ms(once, device, repeats)
-    return curve
+    seconds = batch_forward_seconds(model, timing_prompt(model, CONTEXT), 1, sizes, repeats, make_runner=runner_class)
+    return {k: 1000 * value for k, value in seconds.items()}
 
 
 def measured_tau(path: Path) -> dict[str, dict]:
@@ -131,7 +109,7 @@ def plot(costs: dict, path: Path) -> None:
         axis.set_ylabel("t(k) / t(1)")
         axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure_atomically(figure, path, dpi=110)
 
 
 def main() -> None:
@@ -147,16 +125,15 @@ def main() -> None:
     costs = {}
     for name in arguments.models.split(","):
         model = random_model(name, arguments.device)
-        costs[name] = {runner: cost_curve(model, runner_class, sizes, arguments.device, arguments.repeats)
+        costs[name] = {runner: cost_curve(model, runner_class, sizes, arguments.repeats)
                        for runner, runner_class in (("eager", ModelRunner), ("graphed", StaticRunner))}
         print(name, {runner: {k: round(ms, 3) for k, ms in curve.items()} for runner, curve in costs[name].items()},
               file=sys.stderr, flush=True)
         del model
         torch.cuda.empty_cache() if arguments.device.startswith("cuda") else None
-    (arguments.out / "costs.json").write_text(json.dumps({"command": " ".join(sys.argv), "context": CONTEXT,
-                                                          "ms": costs}, indent=1))
+    write_json_atomically(arguments.out / "costs.json", {"command": " ".join(sys.argv), "context": CONTEXT, "ms": costs})
     if {"qwen2.5-1.5b", "qwen2.5-0.5b"} <= set(costs):
-        (arguments.out / "predictions.json").write_text(json.dumps(predictions(costs), indent=1))
+        write_json_atomically(arguments.out / "predictions.json", predictions(costs))
     plot(costs, arguments.out / "costs.png")
 
 

@@ -37,6 +37,14 @@ def test_synchronize_waits_for_a_cuda_device(synchronized):
     assert synchronized == [torch.device("cuda", 1), "cuda:0"]
 
 
+def test_timed_reads_the_clock_once_the_device_is_done(synchronized):
+    result, seconds = hardware.timed("cuda:0", lambda: synchronized.append("work") or 42)
+    assert result == 42 and seconds >= 0
+    assert synchronized == ["cuda:0", "work", "cuda:0"]  # waited for before and after the call
+    hardware.timed("cpu", lambda: None)
+    assert len(synchronized) == 3  # nothing to wait for on the CPU
+
+
 def test_the_cpu_has_no_device_key_of_its_own():
     assert hardware.device_key(None) is None and hardware.device_key(torch.device("cpu")) is None
     assert hardware.describe_device("cpu") == {"type": "cpu"} and hardware.device_text({"type": "cpu"}) == "cpu"

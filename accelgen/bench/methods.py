@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accelgen.hardware import synchronize
+from accelgen.hardware import synchronize, timed
 from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
 from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
 from accelgen.bench.llamacpp import LlamaCppPeers
@@ -207,13 +207,9 @@ def run_method(
 def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
     if "references" in method.needs and not options.get("references"):
         options = {**options, "references": [prompt_ids]}  # benchmark prompts carry no documents: see PROMPT_RESOURCES
-    synchronize(model.device)
-    started = time.perf_counter()
-    result = generate(model, tokenizer, prompt_ids, method=method.registered_name,
-                               draft_model=draft_model, max_new_tokens=max_new_tokens,  # `auto` may use it
-                               temperature=temperature, seed=seed, **options)
-    synchronize(model.device)
-    seconds = time.perf_counter() - started
+    result, seconds = timed(model.device, lambda: generate(
+        model, tokenizer, prompt_ids, method=method.registered_name, draft_model=draft_model,  # `auto` may use it
+        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, **options))
     stats = result.stats
     return generation_record(
         result.token_ids, seconds, result.finish_reason, target_forwards=stats["target_forwards"],
@@ -234,11 +230,8 @@ def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens,
     counter = ForwardCounter(model)
     torch.manual_seed(seed)  # HF samples from torch's global generator
     try:
-        synchronize(model.device)
-        started = time.perf_counter()
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-        synchronize(model.device)
-        seconds = time.perf_counter() - started
+        output, seconds = timed(model.device, lambda: model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), **kwargs))
     finally:
         counter.remove()
         if draft_timer:

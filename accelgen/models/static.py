@@ -87,7 +87,8 @@ class Graphed:
     def __init__(self, bucket: int, capacity: int, dtype: torch.dtype, device: torch.device):
         self.input_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
-        self.write_positions = torch.arange(bucket, device=device)
+        self.offsets = torch.arange(bucket, device=device)  # each row's place in the bucket
+        self.write_positions = torch.arange(bucket, device=device)  # the cache positions this forward writes
         self.mask = torch.zeros(1, 1, bucket, capacity, dtype=dtype, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple | None = None  # (logits (1, bucket, vocab), final hidden or None, layer states or None)
@@ -260,7 +261,7 @@ class StaticRunner(ModelRunner):
         graphed.input_ids[0, :m].copy_(token_ids, non_blocking=True)
         graphed.position_ids[0, :m].copy_(block.positions, non_blocking=True)
         graphed.position_ids[0, m:].fill_(self._length)  # padding: any position (it is masked off)
-        torch.add(torch.arange(bucket, device=self.device), self._length, out=graphed.write_positions)
+        torch.add(graphed.offsets, self._length, out=graphed.write_positions)
         self._fill_mask(graphed.mask, block)
         self.cache.write_positions = graphed.write_positions
         inputs = self._inputs(graphed.input_ids, graphed.position_ids, graphed.mask)

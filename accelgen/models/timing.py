@@ -9,12 +9,11 @@ after the device has finished (hardware.synchronize): its kernels run asynchrono
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
 
 import torch
 
-from accelgen.hardware import synchronize
+from accelgen.hardware import timed
 from accelgen.models.batch import batched_forward
 from accelgen.models.engines import runner_for
 
@@ -30,11 +29,13 @@ def forward_seconds(model, prompt_ids: list[int], new_tokens: int = 1, repeats: 
 
 
 def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repeats: int = 5,
-                          progress: Callable[[int], None] = lambda k: None) -> dict[int, float]:
+                          progress: Callable[[int], None] = lambda k: None,
+                          make_runner: Callable = runner_for) -> dict[int, float]:
     """Per k in sizes: median time of one forward of `batch` sequences, k tokens each after a KV cache of
-    prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up).
-    progress(k) is called before each size."""
-    runners = [runner_for(model) for _ in range(batch)]
+    prompt_ids, with every row's logits as verification needs them (the first of repeats + 1 is warm-up: a CUDA
+    graph is captured there). progress(k) is called before each size; make_runner(model) gives each sequence's
+    runner (default: the one decoding would use)."""
+    runners = [make_runner(model) for _ in range(batch)]
     for runner in runners:
         runner.forward(torch.tensor(prompt_ids), logits_for_last=1)
     prefix = runners[0].length
@@ -44,11 +45,7 @@ def batch_forward_seconds(model, prompt_ids: list[int], batch: int, sizes, repea
         block = torch.tensor((prompt_ids * k)[:k])  # token values do not change the cost
         times = []
         for _ in range(repeats + 1):
-            synchronize(model.device)
-            started = time.perf_counter()
-            batched_forward(runners, [(block, None, k)] * batch)
-            synchronize(model.device)
-            times.append(time.perf_counter() - started)
+            times.append(timed(model.device, lambda: batched_forward(runners, [(block, None, k)] * batch))[1])
             for runner in runners:
                 runner.keep(prefix, [])  # forget the block again
         seconds[k] = statistics.median(times[1:])

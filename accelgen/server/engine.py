@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from accelgen.generate import Chunk, GenerationResult, Sequence, Step
-from accelgen.hardware import synchronize
+from accelgen.hardware import timed
 from accelgen.models.batch import batched_forward, forward_together
 from accelgen.server.speculation import Goodput, TokenBudget
 
@@ -195,17 +195,13 @@ class Engine:
 
     def _forward(self, group: list[tuple[Request, Step]]) -> list:
         """One batched target forward over these requests' steps: each one's logits, or the exception for all."""
-        synchronize(self.device)
-        started = time.perf_counter()
         try:
-            logits = batched_forward([request.sequence.target for request, _ in group],
-                                     [step.forward_args for _, step in group])
-            synchronize(self.device)
+            logits, seconds = timed(self.device, lambda: batched_forward(
+                [request.sequence.target for request, _ in group], [step.forward_args for _, step in group]))
         except Exception as error:
             return [error] * len(group)
         widest = max(len(step.input_ids) for _, step in group)  # every block is padded to the widest
-        self.speculation.measured(target_batch=len(group), target_width=widest,
-                                  target_seconds=time.perf_counter() - started)
+        self.speculation.measured(target_batch=len(group), target_width=widest, target_seconds=seconds)
         return logits
 
     def _plan(self) -> tuple[list[tuple[Request, Step]], int | None]:
@@ -236,15 +232,13 @@ class Engine:
         self.stats.draft_cap = cap
         self.stats.draft_cap_total += cap or 0
         # draft models run for the whole batch in lockstep, one batched forward per draft step
-        synchronize(self.device)
-        drafting_started = time.perf_counter()
-        steps = forward_together([r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active])
-        synchronize(self.device)
+        steps, drafting_seconds = timed(self.device, lambda: forward_together(
+            [r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active]))
         drafted_with_model = [len(step.draft) for r, step in zip(active, steps)
                               if isinstance(step, Step) and step.draft and r.sequence.drafts_with_a_model]
         if drafted_with_model:
             self.speculation.measured(draft_batch=len(drafted_with_model), draft_rounds=max(drafted_with_model),
-                                      draft_seconds=time.perf_counter() - drafting_started)
+                                      draft_seconds=drafting_seconds)
         planned = []
         for request, step in zip(active, steps):
             if isinstance(step, Exception):  # a drafter failing hurts its own request only

@@ -23,13 +23,9 @@ def check_typical_options(epsilon, delta) -> None:
             raise ValueError(f"typical acceptance: {name} must be a number >= 0, got {value!r}")
 
 
-def typical_passes(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: float) -> list[bool]:
-    """Whether each node's token passes under its parent's row; target_logits (n+1, vocab), row 0 the root."""
-    return passing(target_logits, draft, epsilon, delta).tolist()
-
-
-def passing(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: float) -> torch.Tensor:
-    """typical_passes left on the logits' device: (n,) bool."""
+def typical_passes(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: float) -> torch.Tensor:
+    """(n,) bool on the logits' device: whether each node's token passes under its parent's row; target_logits
+    (n+1, vocab), row 0 the root."""
     probs = torch.softmax(target_logits.float(), dim=-1)
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)  # (n+1,)
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
@@ -41,7 +37,8 @@ def passing(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: fl
 def verify_typical(draft: Draft, target_logits: torch.Tensor, epsilon: float, delta: float) -> Verdict:
     """The deepest node whose whole path passes typical acceptance, then the target's argmax after it."""
     n = len(draft)
-    read = torch.cat([passing(target_logits, draft, epsilon, delta).long(), target_logits.argmax(dim=-1)]).tolist()
+    passes = typical_passes(target_logits, draft, epsilon, delta)
+    read = torch.cat([passes.long(), target_logits.argmax(dim=-1)]).tolist()
     passes, choices = read[:n], read[n:]  # the one host read: (n,) then the target's (n+1,) choices
     parents, levels = draft.parents.tolist(), depths(draft.parents).tolist()
     reached = []  # nodes whose path from the root passes entirely (parents come first)

@@ -122,15 +122,6 @@ def test_tied_embeddings_keep_a_dense_lookup_and_get_a_quantized_head(fmt):
     assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
 
 
-@pytest.fixture
-def tiny_folder(tmp_path, monkeypatch, make_tiny_model, tokenizer):
-    monkeypatch.setenv("ACCELGEN_CACHE", str(tmp_path / "cache"))
-    folder = tmp_path / "tiny"
-    make_tiny_model("qwen2", seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_quantized_tensors_are_cached_and_reloaded(tiny_folder, tokenizer, monkeypatch, capsys, fmt):
     """The second load reads the cache, and its kernels run on what it read (int8 from the file's memory map

@@ -3,6 +3,7 @@
 import pytest
 
 import accelgen
+from accelgen import hardware
 from accelgen.generate import Chunk, GenerationResult, Sequence
 from accelgen.server import engine as engine_module
 from accelgen.server.engine import Engine, Request
@@ -220,7 +221,7 @@ def test_the_engine_times_forwards_after_its_device_is_done(tiny_target, tokeniz
     """Each timed forward is read between synchronizations of the engine's device (no-ops on the CPU), so that a
     GPU's asynchronous kernels are in the timings the speculation policy learns from."""
     waited = []
-    monkeypatch.setattr(engine_module, "synchronize", lambda device: waited.append(device))
+    monkeypatch.setattr(hardware, "synchronize", lambda device: waited.append(device))
     engine = Engine(max_batch=2, device=tiny_target.device)
     submit(engine, tiny_target, tokenizer, PROMPTS[0], max_new_tokens=3)
     engine.step()
