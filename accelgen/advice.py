@@ -2,7 +2,8 @@
 
 Nothing here is a rule of thumb: the format table is the probe behind `weights="auto"` (accelgen/models/probe.py,
 t(1) and t(8) per format), and the method is what `auto` picks uncalibrated from the costs measured in the
-chosen formats (accelgen/costs.py, accelgen/drafters/auto.py). Both are measured once per machine and cached,
+chosen formats (accelgen/costs.py, accelgen/drafters/auto.py); beside them, what the target's own quantized copy
+drafting for it (`qspec`) is predicted to give, from the same probe. Both are measured once per machine and cached,
 so a second call prints at once. `advice_markdown` renders the README's section of the same name. On a GPU the
 format is bf16 without a probe (accelgen/models/probe.py: the probe times CPU formats), and the method is chosen
 from the costs measured on that GPU.
@@ -38,7 +39,30 @@ def advise(model: str, draft: str | None = None, threads: int | None = None, dev
                    if draft else None)
     return {"machine": hardware.describe(threads), "device": hardware.describe_device(target_device), "model": model,
             "draft": draft, "target": target, "draft_choice": draft_choice,
-            "method": uncalibrated_choice(target_model, draft_model)}
+            "method": uncalibrated_choice(target_model, draft_model),
+            "self_draft": self_draft_estimate(target["timings"])}
+
+
+SELF_DRAFT_GAMMA = 7  # the draft length of the qspec estimate: t(8) is measured, so a draft of 7 is verified by it
+
+
+def self_draft_estimate(timings: dict[str, dict]) -> dict | None:
+    """qspec from the format probe's timings: the bf16 (else fp32) target verifying SELF_DRAFT_GAMMA tokens drafted
+    by its fastest quantized copy (gguf, int4 or int8), at the acceptance auto assumes of such a copy:
+    tokens/s = E(α, γ) / (γ · t1(copy) + t8(target)), beside the target's plain decoding. None without both."""
+    from accelgen.drafters.auto import SELF_DRAFT_PRIOR_ALPHA
+    from accelgen.theory import expected_tokens_per_forward
+
+    verifier = next((fmt for fmt in ("bf16", "fp32") if fmt in timings), None)
+    copies = [fmt for fmt in ("gguf", "int4", "int8") if fmt in timings]
+    if verifier is None or not copies:
+        return None
+    copy = min(copies, key=lambda fmt: timings[fmt]["t1"])
+    tokens = expected_tokens_per_forward(SELF_DRAFT_PRIOR_ALPHA, SELF_DRAFT_GAMMA)
+    drafted_tps = tokens / (SELF_DRAFT_GAMMA * timings[copy]["t1"] + timings[verifier]["t8"])
+    plain_tps = 1 / timings[verifier]["t1"]
+    return {"target": verifier, "copy": copy, "gamma": SELF_DRAFT_GAMMA, "alpha": SELF_DRAFT_PRIOR_ALPHA,
+            "drafted_tps": drafted_tps, "plain_tps": plain_tps, "speedup": drafted_tps / plain_tps}
 
 
 def format_rows(timings: dict[str, dict]) -> list[dict]:
@@ -79,6 +103,14 @@ def advice_markdown(advice: dict) -> str:
         lines.append(f"- **Draft format**: `{draft_choice['weights']}` for {draft}"
                      + (f" (tokens/s: {speeds})." if speeds else "."))
     lines.append(f"- **Method**: uncalibrated, `auto` picks `{method['method']}`: {method['reason']}.")
+    if (self_draft := advice.get("self_draft")) is not None:
+        option = "" if self_draft["copy"] == "gguf" else f" -o quantized={self_draft['copy']}"
+        lines.append(f"- **Quantized self-draft** (`qspec`, output exactly the {self_draft['target']} model's): its "
+                     f"{self_draft['copy']} copy drafting γ = {self_draft['gamma']} tokens, at an assumed acceptance "
+                     f"α = {self_draft['alpha']}, is predicted {self_draft['drafted_tps']:.1f} tokens/s, "
+                     f"{self_draft['speedup']:.2f}× {self_draft['target']} plain decoding "
+                     f"({self_draft['plain_tps']:.1f}): `accelgen generate -m {model} --weights {self_draft['target']} "
+                     f"--method qspec{option} \"...\"`.")
     command = f"accelgen generate -m {model}{device_flag} --weights {target_weights}"
     if draft:
         command += f" -d {draft} --draft-weights {advice['draft_choice']['weights']}"

@@ -7,7 +7,8 @@ at k = 8 where the CPU multiplies bf16 natively, ≈6 on an AVX2-only CPU, and d
 times are measured once per model, weight format, machine and device (`forward_seconds`, cached as JSON under the
 cache folder's `costs/`; a GPU's apart, by the GPU's name, so that a GPU run never reads CPU timings or the
 reverse), and `DraftBudget` turns them into each step's draft length: the γ with the best predicted speedup from
-r(k), c and the running acceptance α, and 0 — plain decoding — when no length pays.
+r(k), c and the running acceptance α, and 0 — plain decoding — when no length pays. The drafter that a budget
+caps is accelgen/drafters/budget.py's.
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
 from accelgen import hardware
 from accelgen.atomic import write_json_atomically
-from accelgen.draft import Draft
-from accelgen.models.batch import forward_alone
 from accelgen.profile import interpolate
 from accelgen.theory import AcceptanceEstimate, best_gamma
 
@@ -232,90 +230,6 @@ def measured_budget(target_model, draft_model=None, max_length: int = MAX_DRAFT,
         cost_ratio = 0.0 if draft_model is None else draft_cost_ratio(target_model, draft_model)
     return DraftBudget(verify_ratios(target_model), cost_ratio, max_length, learn_cost=drafts_with_model,
                        fixed_nodes=fixed_nodes, device=model_device(target_model))
-
-
-class BudgetedDrafter:
-    """A drafter whose drafts a DraftBudget caps each step; everything else is the drafter's own.
-
-    A step the budget gives no draft is plain decoding, and the drafter takes no part in it (neither `propose`
-    nor `update`): it reads the tokens committed meanwhile with its next context. Drafting is timed from the
-    call to the draft, the step from the draft to `update`; only steps right after another drafting step are
-    typical (the first also reads the prompt, and after plain steps a draft model first reads what it missed).
-    """
-
-    def __init__(self, inner, budget: DraftBudget):
-        self.inner = inner
-        self.draft_budget = budget
-        self._drafting = False  # whether the inner drafter proposed this step's draft
-        self._drafted_before = False  # whether the step before did
-        self._draft_seconds = 0.0
-        self._drafted_at = 0.0
-        if hasattr(inner, "draft_steps"):  # drafts with model forwards that a server can batch: keep offering that
-            self.draft_steps = self._budgeted_steps
-
-    def __getattr__(self, name):  # close, describe, learner, ...: the inner drafter's own
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def propose(self, context, max_nodes: int) -> Draft:
-        return forward_alone(self._budgeted_steps(context, max_nodes))
-
-    def _budgeted_steps(self, context, max_nodes: int):
-        """The inner drafter's draft_steps (or propose) at most the budget's length; yields its model forwards."""
-        limit = min(max_nodes, self.draft_budget.limit())
-        self._drafting = limit > 0
-        if not self._drafting:
-            return Draft.empty()
-        self._wait_for_device()
-        started = time.perf_counter()
-        inner_steps = getattr(self.inner, "draft_steps", None)
-        if inner_steps is not None:
-            draft = yield from inner_steps(context, limit)
-        else:
-            draft = self.inner.propose(context, limit)
-        self._wait_for_device()
-        self._drafted_at = time.perf_counter()
-        self._draft_seconds = self._drafted_at - started
-        return draft
-
-    def _wait_for_device(self) -> None:
-        """Before a clock is read for the cost the budget learns: the device's queued work done. Only then: a
-        model-free draft's cost is not learnt, and its steps keep their one host read."""
-        if self.draft_budget.learn_cost:
-            hardware.synchronize(self.draft_budget.device)
-
-    def update(self, draft: Draft, verdict, target_logits) -> None:
-        drafting, typical = self._drafting, self._drafted_before
-        self._drafting = False
-        self._drafted_before = drafting
-        if not drafting:
-            return
-        if typical:
-            self._wait_for_device()
-            step_seconds = time.perf_counter() - self._drafted_at
-            self.draft_budget.observe(len(draft), len(verdict.accepted), self._draft_seconds, step_seconds)
-        else:
-            self.draft_budget.observe(len(draft), len(verdict.accepted))
-        self.inner.update(draft, verdict, target_logits)
-
-
-def budgeted(drafter, target_model, draft_model=None) -> BudgetedDrafter:
-    """Any drafter, capped each step by the measured budget: c measured from its draft model; for drafts by the
-    target's own layers (model forwards, no draft model) SELF_DRAFT_COST until measured; else 0 (model-free)."""
-    if draft_model is None and hasattr(drafter, "draft_steps"):
-        return BudgetedDrafter(drafter, measured_budget(target_model, cost_ratio=SELF_DRAFT_COST))
-    return BudgetedDrafter(drafter, measured_budget(target_model, draft_model))
-
-
-def sized_by_costs(build: Callable[[int], object], size, target_model, fixed_nodes: int = 0):
-    """A model-free drafter of `size` tokens or tree nodes per step, build(size); with size "auto":
-    build(MAX_DRAFT + fixed_nodes), each step capped by the measured budget (`DraftBudget`), so that its drafts
-    follow this machine's r(k)."""
-    if size == "auto":
-        budget = measured_budget(target_model, fixed_nodes=fixed_nodes)
-        return BudgetedDrafter(build(MAX_DRAFT + fixed_nodes), budget)
-    return build(size)
 
 
 def cached_profile(target_model, draft_model=None, batch_sizes=(), *, threads: int | None = None,

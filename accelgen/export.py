@@ -97,11 +97,12 @@ def require_kind(head_folder, kind: str, destination: str) -> None:
 def load_target(head_folder, name: str | None = None):
     """The target model whose LM head a Medusa export copies: `name`, else the model the heads were trained for."""
     from accelgen.models import load_model
+    from accelgen.models.loading import pytorch_weights
 
     name = name or medusa.MedusaHeads.load(head_folder).base_model
     if not name:
         raise ValueError(f"the heads in {head_folder} do not record the model they were trained for; pass --model")
-    return load_model(name)[0]
+    return load_model(name, weights=pytorch_weights(name, None))[0]
 
 
 # --- the out folder -------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Prompts as the loop takes them: text, token ids (one row or a padded batch) or chat messages, to token ids;
-and the EOS ids a model and its tokenizer declare."""
+and the EOS ids a model and its tokenizer declare. Token ids need no tokenizer (tokenizer None): the EOS ids then
+come from the model's generation config, else its config."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, torch.Tensor):
         ids = tensor_token_ids(prompt)
     elif isinstance(prompt, str):
-        ids = tokenizer(prompt).input_ids if prompt else []
+        ids = with_tokenizer(tokenizer, "a text prompt")(prompt).input_ids if prompt else []
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = with_tokenizer(tokenizer, "a chat prompt").apply_chat_template(list(prompt), tokenize=False,
+                                                                             add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
     elif isinstance(prompt, (list, tuple)):
         try:  # a list of token ids, as Python, numpy or 0-d tensor integers; torch refuses ragged or text items
@@ -31,10 +33,19 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     else:
         raise TypeError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
     if not ids:
+        if tokenizer is None:
+            raise ValueError("empty prompt and no tokenizer to give a BOS token to start from; give at least one token")
         if tokenizer.bos_token_id is None:
             raise ValueError("empty prompt: this tokenizer has no BOS token to start from; give at least one token")
         ids = [tokenizer.bos_token_id]
     return ids
+
+
+def with_tokenizer(tokenizer, what: str):
+    """The tokenizer, or a ValueError saying that `what` needs one (token-id prompts do not)."""
+    if tokenizer is None:
+        raise ValueError(f"{what} needs a tokenizer: pass the model's tokenizer, or give the prompt as token ids")
+    return tokenizer
 
 
 def tensor_token_ids(prompt: torch.Tensor) -> list[int]:
@@ -107,12 +118,18 @@ def padding_mask(rows: torch.Tensor, shape: torch.Size, attention_mask, pad_toke
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
-    """EOS ids from the model's generation config and the tokenizer (chat models often have several)."""
-    ids = set()
-    generation_config = getattr(model, "generation_config", None)
-    configured = getattr(generation_config, "eos_token_id", None)
-    if configured is not None:
-        ids.update([configured] if isinstance(configured, int) else configured)
+    """EOS ids from the model's generation config and the tokenizer (chat models often have several); without a
+    tokenizer (None), from the generation config, else the model's config (none: generation runs to its limit)."""
+    ids = set(listed_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None)))
+    if tokenizer is None:
+        return ids or set(listed_ids(getattr(getattr(model, "config", None), "eos_token_id", None)))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def listed_ids(configured) -> list[int]:
+    """A config's token id field (None, one id, or a list of them) as a list."""
+    if configured is None:
+        return []
+    return [configured] if isinstance(configured, int) else list(configured)

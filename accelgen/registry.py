@@ -1,7 +1,7 @@
 """The registry of generation methods: name -> what it is, what it needs, how lossless it is, how to build it.
 
 A method is a MethodSpec whose parts (a drafter, and where the method has them its own verifier and target
-runner) each come with the options dataclass they take; its module registers it on import, and accelgen/methods.py
+runner) each come with the options dataclass they take; its module registers it on import, and accelgen/method_table.py
 says which module that is, so that a method's module is imported only when the method is asked for.
 """
 
@@ -13,7 +13,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Callable
 
-from accelgen.methods import METHODS
+from accelgen.method_table import METHODS
 
 LOSSLESS_CLASSES = {
     "greedy-exact": "identical tokens to greedy decoding; sampling not supported",
@@ -78,10 +78,20 @@ class MethodSpec:
     # the residual stream of chosen layers instead (EAGLE-3's head says which) sets them on that runner as it is
     # built (ModelRunner.keep_layers), and clears keep_hidden if it needs no final states
     reads_target_hidden: bool = False
+    # the draft budget a request gets unless it sets one (accelgen/loop.py's DRAFT_BUDGETS): "measured" caps
+    # each step's draft by the costs measured on this machine, down to none (plain decoding), so that the method's
+    # defaults never lose to it; "method" drafts as long as the method's options say
+    draft_budget: str = "method"
+    # its draft model must be a PyTorch model (it expands token trees with it level by level, which llama.cpp's
+    # runner cannot continue, keeps a cache of its own or trains it): `--draft-weights auto` then picks the fastest
+    # PyTorch format (drafters/draft_tree.py)
+    pytorch_draft: bool = False
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:
             raise ValueError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
+        if self.draft_budget not in ("method", "measured"):
+            raise ValueError(f"{self.name}: draft_budget must be 'method' or 'measured', got {self.draft_budget!r}")
         defaults: dict = {}
         for part in self.parts:
             for name, default in part.options.defaults().items():
@@ -124,7 +134,7 @@ class MethodSpec:
         return drafting, verifying, running
 
 
-# options every method takes, handled by the loop (accelgen/generate.py) rather than by the method
+# options every method takes, handled by the loop (accelgen/loop.py) rather than by the method
 LOOP_OPTIONS = ("draft_budget",)
 
 
@@ -163,11 +173,14 @@ def merge_options(method: str, defaults: dict, options: dict) -> dict:
 
 
 # Options whose default is a word standing for a value chosen for the user take a word (the method checks which)
-# or a value of the type here: max_nodes / draft_length "auto" = sized each step by the measured costs
-# (accelgen/costs.py) or a count (lookahead's max_nodes also None: no cap); self-speculative's skip "tuned" (by
+# or a value of the type here: gamma "auto" = the method's usual draft length, capped each step by the measured
+# costs (the draft budget, accelgen/loop.py) or a count that fixes it; max_nodes / draft_length "auto" = sized
+# each step by the measured costs (accelgen/costs.py) or a count (lookahead's max_nodes also None: no cap); qspec's
+# stage_two_tokens "auto" (from the quantized copy's measured costs) or a count; self-speculative's skip "tuned" (by
 # `accelgen tune`) or "default", or {"skip_attention": [...], "skip_mlp": [...]}; free's threshold "adaptive" or a
 # number. A new option with a word default takes words only until it is listed here.
-WORD_DEFAULT_TYPES = {"max_nodes": (int, type(None)), "draft_length": (int,), "skip": (dict,), "threshold": (float,)}
+WORD_DEFAULT_TYPES = {"gamma": (int,), "max_nodes": (int, type(None)), "draft_length": (int,), "skip": (dict,),
+                      "threshold": (float,), "stage_two_tokens": (int,)}
 # Number options that also take a word, as their methods document: calm's and ee-recompute's threshold="calibrated"
 # (saved by `accelgen calibrate calm`)
 NUMBER_WORDS = {"threshold": ("calibrated",)}
@@ -222,6 +235,9 @@ def parse_option_value(text: str, types: tuple[type, ...] | None = None):
 
 
 _METHODS: dict[str, MethodSpec] = {}
+# method name -> the module that registers it, for methods that live above the methods layer and are declared from
+# above (declare_method), since the built-in table (accelgen/method_table.py) may name only the methods layer
+_DECLARED: dict[str, str] = {}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
@@ -239,22 +255,39 @@ def parse_method_option(method: str, name: str, text: str):
     return parse_option_value(text, option_types(name, spec.options[name]) if default_known else None)
 
 
+def declare_method(name: str, module: str) -> None:
+    """Have `module` imported the first time method `name` is asked for, as the built-in table's modules are: for a
+    method whose module sits above the methods layer (the online method's drafter trains: accelgen/train/online.py),
+    declared by a layer above that module (accelgen/__init__.py)."""
+    known = _lazy_modules().get(name)
+    if known not in (None, module):
+        raise ValueError(f"method {name!r} is already declared, by {known}")
+    _DECLARED[name] = module
+
+
 def get_method(name: str) -> MethodSpec:
     spec = _registered(name)
     if spec is None:
-        available = ", ".join(sorted(set(_METHODS) | set(METHODS)))
+        available = ", ".join(sorted(set(_METHODS) | set(_lazy_modules())))
         raise ValueError(f"unknown method {name!r}; available methods: {available}")
     return spec
 
 
 def list_methods() -> list[MethodSpec]:
-    for name in METHODS:
+    for name in _lazy_modules():
         _registered(name)
     return sorted(_METHODS.values(), key=lambda spec: (spec.family, spec.name))
 
 
 def _registered(name: str) -> MethodSpec | None:
-    """The method's spec, its module imported first if it is a built-in one not yet registered; None if unknown."""
-    if name not in _METHODS and name in METHODS:
-        importlib.import_module(METHODS[name])  # registers the methods it declares
+    """The method's spec, its module imported first if it is a built-in or declared one not yet registered; None if
+    unknown."""
+    modules = _lazy_modules()
+    if name not in _METHODS and name in modules:
+        importlib.import_module(modules[name])  # registers the methods it declares
     return _METHODS.get(name)
+
+
+def _lazy_modules() -> dict[str, str]:
+    """method name -> the module that registers it: the built-in table's and the declared ones."""
+    return {**METHODS, **_DECLARED}

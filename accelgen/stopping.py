@@ -9,6 +9,11 @@ from __future__ import annotations
 
 class Output:
     def __init__(self, tokenizer, eos_token_ids: set[int], stop: list[str], max_new_tokens: int):
+        """tokenizer: decodes the text (None: token ids only, the text stays empty, and stop strings cannot be
+        matched)."""
+        if tokenizer is None and any(stop):
+            raise ValueError("stop strings need a tokenizer to read the generated text: pass the model's tokenizer, "
+                             "or end generation with eos_token_id")
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.stop = StopStrings([s for s in stop if s])
@@ -40,7 +45,7 @@ class Output:
         return self.stop.found_at
 
     def _decoded(self) -> str:
-        if self._decoded_ids != len(self.token_ids):
+        if self._decoded_ids != len(self.token_ids) and self.tokenizer is not None:
             self._decoded_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
             self._decoded_ids = len(self.token_ids)
         return self._decoded_text

@@ -30,6 +30,9 @@ def grammar_constraint(response_format: dict | None, tokenizer, vocab_size: int,
     kind = format_type(response_format)
     if kind == "text":
         return None
+    if tokenizer is None:
+        raise ValueError(f"response_format {kind!r} needs a tokenizer (its grammar is over the tokens' text): pass "
+                         "the model's tokenizer")
     compiler = grammar_compiler(tokenizer, vocab_size, eos_token_ids)
     if kind == "json_object":
         compiled = compiler.compile_builtin_json_grammar()

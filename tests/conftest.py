@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -77,6 +78,15 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def smollm_shallow(smollm):
+    """A copy of SmolLM2 with only its first 20 of 30 layers: a draft model that is right often, but not always."""
+    model = copy.deepcopy(smollm[0])
+    model.model.layers = model.model.layers[:20]
+    model.config.num_hidden_layers = 20
+    return model
+
+
+@pytest.fixture(scope="session")
 def tokenizer(smollm):
     """SmolLM2's tokenizer (vocab 49152), shared by the tiny models so that text can be decoded."""
     return smollm[1]
@@ -103,6 +113,18 @@ def sharp_target():
     return model
 
 
+def greedy_continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The model's greedy continuation of each prompt, from one batched call: each row decodes as if alone
+    (accelgen.generate), and a batch of 20 takes less than half the time of 20 calls."""
+    return [result.token_ids for result in accelgen.generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)]
+
+
+@pytest.fixture(scope="session")
+def own_continuations():
+    """greedy_continuations, for the tests (import-mode=importlib: no `from conftest import`)."""
+    return greedy_continuations
+
+
 @pytest.fixture(scope="session")
 def tiny_target_windows(tiny_target, tokenizer):
     """(20, 24) packed windows of the tiny target's own greedy continuations of 20 prompts: text that heads and
@@ -110,9 +132,9 @@ def tiny_target_windows(tiny_target, tokenizer):
     from accelgen.train.layerskip import packed_windows
 
     prompt = [5, 17, 923, 4410, 77, 12]
-    texts = [tokenizer.decode(prompt + accelgen.generate(tiny_target, tokenizer, [start] + prompt[1:],
-                                                         max_new_tokens=40).token_ids) for start in range(5, 25)]
-    return packed_windows(tokenizer, texts, seq_len=24, count=20)
+    continuations = greedy_continuations(tiny_target, tokenizer, [[start] + prompt[1:] for start in range(5, 25)], 40)
+    return packed_windows(tokenizer, [tokenizer.decode(prompt + tokens) for tokens in continuations], seq_len=24,
+                          count=20)
 
 
 # Tolerances for two computations of the same values that sum in another order: a batched vs a single forward,

@@ -104,3 +104,22 @@ class FakeGpu:
 
     def __str__(self):
         return "cuda:0"
+
+
+def test_quantized_self_draft_is_predicted_from_the_probe():
+    """qspec: the bf16 target verifying 7 tokens its fastest quantized copy drafted, at auto's assumed acceptance."""
+    from accelgen.advice import self_draft_estimate
+    from accelgen.drafters.auto import SELF_DRAFT_PRIOR_ALPHA
+    from accelgen.theory import expected_tokens_per_forward
+
+    native = {**NATIVE_BF16, "gguf": {"t1": 0.02, "t8": 0.12}}
+    estimate = self_draft_estimate(native)
+    assert (estimate["target"], estimate["copy"], estimate["gamma"]) == ("bf16", "gguf", 7)
+    tokens = expected_tokens_per_forward(SELF_DRAFT_PRIOR_ALPHA, 7)
+    assert estimate["drafted_tps"] == pytest.approx(tokens / (7 * 0.02 + 0.09))
+    assert estimate["speedup"] == pytest.approx(estimate["drafted_tps"] * 0.08)
+    assert self_draft_estimate({"int8": AVX2["int8"]}) is None  # no full-precision target to verify in
+    markdown = advice_markdown({"model": "m", "draft": None, "machine": {"torch_threads": 2}, "target":
+                                {"weights": "bf16", "timings": native}, "method": {"method": "pld", "reason": "r"},
+                                "self_draft": estimate})
+    assert "**Quantized self-draft** (`qspec`" in markdown and "--weights bf16 --method qspec" in markdown

@@ -13,9 +13,7 @@ from typer.testing import CliRunner
 import accelgen
 from accelgen import costs, hardware
 from accelgen.cli import app
-from accelgen.costs import (BudgetedDrafter, DraftBudget, cached_profile, draft_cost_ratio, forward_seconds,
-                            probe_interval, verify_ratios)
-from accelgen.draft import Draft, Verdict
+from accelgen.costs import DraftBudget, cached_profile, draft_cost_ratio, forward_seconds, probe_interval, verify_ratios
 from accelgen.profile import interpolate
 from accelgen.theory import AcceptanceEstimate, best_gamma
 
@@ -119,41 +117,6 @@ def test_a_lookahead_window_is_a_fixed_cost_every_draft_must_pay_for():
     assert native.acceptance.rejections == pytest.approx(0.9 * prior)
 
 
-class FakeDrafter:
-    """Proposes `length` copies of token 7 (capped by max_nodes), recording each call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def propose(self, context, max_nodes):
-        self.calls.append(("propose", max_nodes))
-        return Draft.chain(torch.full((max_nodes,), 7))
-
-    def update(self, draft, verdict, target_logits):
-        self.calls.append(("update", len(draft)))
-
-    def close(self):
-        self.calls.append(("close",))
-
-
-def test_budgeted_drafter_caps_drafts_and_leaves_plain_steps_to_the_loop():
-    inner = FakeDrafter()
-    budgeted = BudgetedDrafter(inner, DraftBudget(FLAT, max_length=5))
-    assert not hasattr(budgeted, "draft_steps")  # the inner drafter takes no model forwards
-    draft = budgeted.propose(torch.tensor(PROMPT), max_nodes=8)
-    assert len(draft) == 5 and inner.calls == [("propose", 5)]
-    budgeted.update(draft, Verdict([0, 1], 3), None)
-    assert inner.calls[-1] == ("update", 5)
-    budgeted.close()  # anything else is the inner drafter's own
-    assert inner.calls[-1] == ("close",)
-
-    inner = FakeDrafter()
-    budgeted = BudgetedDrafter(inner, DraftBudget(LINEAR))
-    draft = budgeted.propose(torch.tensor(PROMPT), max_nodes=8)
-    budgeted.update(draft, Verdict([], 3), None)
-    assert len(draft) == 0 and inner.calls == []  # a plain step: the drafter takes no part in it
-
-
 def test_costs_are_measured_once_per_model_format_and_machine(measured_costs, tiny_target):
     measured = measured_costs({tiny_target: (0.02, LINEAR)})
     assert verify_ratios(tiny_target) == pytest.approx({k: float(k) for k in costs.SIZES})
@@ -198,24 +161,6 @@ def test_a_gpu_never_reads_the_cpus_timings_nor_the_reverse(measured_costs, tiny
     assert json.loads(on_gpu.read_text())["device"]["name"] == "NVIDIA H200"
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
     assert costs.costs_path(tiny_target).parent.name == "cuda-nvidia-a100-sxm4-80gb"  # another GPU, another file
-
-
-@pytest.mark.parametrize("cost_ratio, waits", [(0.1, 5), (None, 0)], ids=["draft-model", "model-free"])
-def test_a_budget_times_its_drafts_after_the_device_is_done(measured_costs, tiny_target, monkeypatch, cost_ratio,
-                                                            waits):
-    """A draft model's drafting and the step are timed between synchronizations of the target's device (no-ops on
-    the CPU): before and after each drafting, and before a typical step's end. A model-free draft's cost is not
-    learnt, so its steps wait for nothing."""
-    measured_costs({tiny_target: (0.02, FLAT)})
-    waited = []
-    monkeypatch.setattr(hardware, "synchronize", lambda device: waited.append(device))
-    budget = costs.measured_budget(tiny_target, cost_ratio=cost_ratio)
-    assert budget.device == tiny_target.device
-    budgeted = BudgetedDrafter(FakeDrafter(), budget)
-    for _ in range(2):  # the second step is a typical one: its whole step is timed
-        draft = budgeted.propose(torch.tensor(PROMPT), max_nodes=4)
-        budgeted.update(draft, Verdict(list(range(len(draft))), 3), None)
-    assert waited == [tiny_target.device] * waits
 
 
 def test_draft_cost_ratio_and_cached_profile(measured_costs, tiny_target, tiny_draft):
@@ -279,3 +224,46 @@ def test_drafts_are_long_where_verification_is_free(measured_costs, tiny_target,
     after_one_step.observe(drafted=4, accepted=4)
     second = best_length(after_one_step.alpha, 0.05, FLAT, 32)
     assert speculative.stats["accepted_per_step"][:2] == [4, second] and second > 4
+
+
+# the draft methods whose defaults the measured budget caps, down to no draft (MethodSpec.draft_budget)
+BUDGETED_BY_DEFAULT = ["speculative", "specinfer", "cascade", "staged", "spectr", "mcsd", "block-verify", "distillspec",
+                       "online", "triforce", "self-speculative", "layerskip"]
+
+
+def test_draft_methods_default_to_plain_decoding_where_nothing_pays(measured_costs, tiny_target, tokenizer):
+    measured_costs({tiny_target: (0.01, LINEAR)})  # as if measured on a compute-bound machine
+    budgeted = {spec.name for spec in accelgen.list_methods() if spec.draft_budget == "measured"}
+    assert set(BUDGETED_BY_DEFAULT) <= budgeted
+    plain = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=24)
+    # (distillspec: speculative's drafter over a distilled draft, which this tiny target has none of)
+    for method in [name for name in BUDGETED_BY_DEFAULT if name != "distillspec"]:
+        spec = accelgen.get_method(method)
+        draft = {"draft_model": tiny_target} if spec.needs_draft_model else {}
+        result = accelgen.generate(tiny_target, tokenizer, PROMPT, method=method, max_new_tokens=24, **draft)
+        assert result.token_ids == plain.token_ids, method
+        assert result.stats["draft_tokens"] == 0, method  # 24 steps: not one probe yet
+
+
+def test_draft_methods_default_to_drafts_where_they_pay(measured_costs, tiny_target, tokenizer):
+    cheap = copy.deepcopy(tiny_target)  # the target's own weights (every draft accepted), timed as a cheap draft model
+    cheap.config._name_or_path = "cheap-copy"
+    measured_costs({tiny_target: (0.2, FLAT), cheap: (0.01, FLAT)})  # c = 0.05
+    plain = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=24)
+    for method in ("speculative", "specinfer", "block-verify"):
+        result = accelgen.generate(tiny_target, tokenizer, PROMPT, method=method, draft_model=cheap, max_new_tokens=24)
+        assert result.token_ids == plain.token_ids, method
+        assert result.stats["accepted_draft_tokens"] > 0, method
+
+
+def test_a_fixed_length_is_an_explicit_option(measured_costs, tiny_target, tokenizer):
+    measured_costs({tiny_target: (0.01, LINEAR)})  # where no draft pays: only a fixed length drafts
+    plain = accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=24)
+    for method, options in [("spectr", {"gamma": 2}), ("cascade", {"gamma": 2}),
+                            ("speculative", {"gamma_schedule": "heuristic"}),
+                            ("specinfer", {"draft_budget": "method"}), ("mcsd", {"draft_budget": "method"})]:
+        result = accelgen.generate(tiny_target, tokenizer, PROMPT, method=method, draft_model=tiny_target,
+                                   max_new_tokens=24, **options)
+        assert result.token_ids == plain.token_ids and result.stats["draft_tokens"] > 0, method
+    with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto', got 'often'"):
+        accelgen.generate(tiny_target, tokenizer, PROMPT, method="speculative", draft_model=tiny_target, gamma="often")

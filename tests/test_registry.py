@@ -1,6 +1,6 @@
 """Method options are checked against the type of their declared default, in one place (accelgen/registry.py);
 each part of a method (drafter, verifier, runner) is built with its own options; the methods table
-(accelgen/methods.py) lists every method and is imported lazily."""
+(accelgen/method_table.py) lists every method and is imported lazily."""
 
 import sys
 from dataclasses import dataclass, make_dataclass
@@ -13,8 +13,8 @@ from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import GammaOptions, SelfDraftingOptions
 from accelgen.drafters.layerskip import ExitLayerOptions
 from accelgen.drafters.specdec import SpecVerificationOptions
-from accelgen.generate import Sequence
-from accelgen.methods import FAMILIES, METHODS
+from accelgen.loop import Sequence
+from accelgen.method_table import FAMILIES, METHODS
 from accelgen.registry import MethodOptions, MethodSpec, Part, parse_option_value
 from accelgen.verify import default_verifier
 
@@ -38,9 +38,10 @@ def test_options_of_the_declared_type_pass(method, options):
 
 
 @pytest.mark.parametrize("method, options, message", [
-    ("speculative", {"gamma": "five"}, "speculative: gamma must be an integer, got 'five'"),
-    ("speculative", {"gamma": 4.0}, "gamma must be an integer, got 4.0"),  # never truncated
-    ("speculative", {"gamma": True}, "gamma must be an integer, got True"),  # a bool is no count
+    ("specdec", {"gamma": "five"}, "specdec: gamma must be an integer, got 'five'"),
+    ("specdec", {"gamma": 4.0}, "gamma must be an integer, got 4.0"),  # never truncated
+    ("specdec", {"gamma": True}, "gamma must be an integer, got True"),  # a bool is no count
+    ("speculative", {"gamma": 4.0}, "speculative: gamma must be text or an integer, got 4.0"),  # "auto" or a count
     ("specdec", {"tau": float("nan")}, "specdec: tau must be a finite number, got nan"),
     ("specdec", {"tau": "1"}, "tau must be a finite number, got '1'"),
     ("rest", {"context": 1}, "rest: context must be true or false, got 1"),
@@ -78,8 +79,8 @@ def test_each_part_gets_its_own_options_only():
 
 def test_a_method_lists_the_options_of_all_its_parts():
     assert accelgen.get_method("specdec").options == {"gamma": 5, "beta": 3, "tau": 1.0}
-    assert accelgen.get_method("layerskip").options == {"exit_layer": None, "gamma": 4, "gamma_schedule": "constant",
-                                                        "max_gamma": 32}
+    assert accelgen.get_method("layerskip").options == {"exit_layer": None, "gamma": "auto",
+                                                        "gamma_schedule": "constant", "max_gamma": 32}
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def test_the_build_context_holds_the_target_runner_the_loop_feeds(spy_method, ti
 
 
 def test_triforce_gets_the_target_runner_at_construction(tiny_target, tiny_draft, tokenizer):
-    sequence = Sequence.start(tiny_target, tokenizer, [5, 17, 923], method="triforce", draft_model=tiny_draft)
+    sequence = Sequence.start(tiny_target, tokenizer, [5, 17, 923], method="triforce", draft_model=tiny_draft,
+                              draft_budget="method")
     assert sequence.drafter.target is sequence.target
     sequence.finish()
 
@@ -170,7 +172,7 @@ def test_the_draft_model_check_says_how_to_pass_one():
 
 def test_the_table_lists_every_registered_method_with_its_family():
     specs = {spec.name: spec for spec in accelgen.list_methods()}
-    assert set(specs) == set(METHODS)
+    assert set(specs) == set(METHODS) | {"online"}  # online is declared by accelgen/__init__.py (it trains)
     for family, methods in FAMILIES.items():
         for name, module in methods.items():
             assert specs[name].family == family
@@ -189,6 +191,22 @@ def test_a_method_module_is_imported_when_its_method_is_asked_for(monkeypatch, t
     assert "lazy_method" not in sys.modules
     assert accelgen.get_method("lazy").family == "test" and "lazy_method" in sys.modules
     monkeypatch.delitem(sys.modules, "lazy_method")
+
+
+def test_a_declared_method_is_imported_when_asked_for_and_cannot_be_declared_twice(monkeypatch, tmp_path):
+    (tmp_path / "declared_method.py").write_text(
+        "from accelgen.registry import MethodSpec, Part, register\n"
+        "register(MethodSpec('declared', 'test', 'lossy', '-', '-', Part(None)))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(accelgen.registry, "_DECLARED", dict(accelgen.registry._DECLARED))
+    monkeypatch.setattr(accelgen.registry, "_METHODS", dict(accelgen.registry._METHODS))
+    monkeypatch.delitem(sys.modules, "declared_method", raising=False)
+    accelgen.declare_method("declared", "declared_method")
+    assert "declared_method" not in sys.modules
+    assert accelgen.get_method("declared").family == "test" and "declared_method" in sys.modules
+    monkeypatch.delitem(sys.modules, "declared_method")
+    with pytest.raises(ValueError, match="method 'jacobi' is already declared, by accelgen.drafters.jacobi"):
+        accelgen.declare_method("jacobi", "declared_method")
 
 
 def test_an_unknown_method_lists_the_table():

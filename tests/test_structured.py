@@ -40,7 +40,7 @@ def test_constrained_methods_equal_constrained_autoregressive(constrained, tiny_
                                                               method, draft):
     draft_model = {"target": tiny_target, "unrelated": tiny_draft, None: None}[draft]
     result = accelgen.generate(tiny_target, tokenizer, PROMPT, method=method, draft_model=draft_model,
-                               max_new_tokens=60, response_format=RESPONSE_FORMAT)
+                               max_new_tokens=60, response_format=RESPONSE_FORMAT, draft_budget="method")
     assert result.token_ids == constrained.token_ids
     if method == "speculative" and draft == "target":  # the draft model drafts through the grammar too
         assert result.stats["mean_accepted_tokens"] > 2

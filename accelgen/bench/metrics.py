@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from statistics import fmean
 
-from accelgen.bench.methods import BASELINE
+from accelgen.bench.rows import BASELINE
 from accelgen.quality import rouge_l, token_agreement
 from accelgen.theory import expected_tokens_per_forward, predicted_speedup
 

@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy.stats import bootstrap  # noqa: E402
 
 from accelgen.atomic import save_figure_atomically
-from accelgen.bench.methods import BASELINE  # noqa: E402
+from accelgen.bench.rows import BASELINE  # noqa: E402
 from accelgen.bench.metrics import OVERALL  # noqa: E402
 from accelgen.method_options import VARIANT  # noqa: E402
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen import hardware
 from accelgen.bench import metrics, plots
-from accelgen.bench.methods import BASELINE, LOSSLESS
+from accelgen.bench.rows import BASELINE, LOSSLESS
 from accelgen.bench.runner import AUDITS_FILE, EXECUTIONS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
 
 RESULTS_FILE, REPORT_FILE = "results.json", "report.md"
@@ -77,8 +77,9 @@ def theory_gammas(run_info: dict) -> dict[str, int]:
     gammas = {}
     for name, info in run_info["methods"].items():
         options = run_info["config"]["options"].get(name, {})
-        if (info["source"] == "accelgen" and "draft_model" in info.get("needs", []) and "gamma" in options
-                and options.get("gamma_schedule", "constant") == "constant"):
+        # gamma "auto" follows the measured budget, so its steps draft different lengths
+        if (info["source"] == "accelgen" and "draft_model" in info.get("needs", [])
+                and isinstance(options.get("gamma"), int) and options.get("gamma_schedule", "constant") == "constant"):
             gammas[name] = options["gamma"]
     return gammas
 

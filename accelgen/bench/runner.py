@@ -27,8 +27,9 @@ from accelgen import hardware
 from accelgen.bench import audit, llamacpp
 from accelgen.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
-from accelgen.bench.methods import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
+from accelgen.bench.rows import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
 from accelgen.bench.metrics import compare_with_baseline
+from accelgen.drafters.draft_tree import draft_weights_for
 from accelgen.models.loading import check_weights, load_model, resolve_device
 from accelgen.models.timing import forward_seconds
 
@@ -214,6 +215,7 @@ class RowModels:
         self.main_weights = config.weights or model_format(model)
         self.targets = {self.main_weights: model}
         self.drafts = {(config.draft, config.draft_weights): draft_model}
+        self.draft_keys: dict[str, tuple] = {}  # row -> (draft, weights), resolved once (draft_key)
         self.peers = None
         for method in plan.methods:
             if method.source == "llamacpp":
@@ -233,7 +235,14 @@ class RowModels:
         return method.weights or self.main_weights
 
     def draft_key(self, method: BenchMethod) -> tuple:
-        return (method.draft or self.config.draft, method.draft_weights or self.config.draft_weights)
+        """(draft, weight format) of a row's draft; "auto" is a PyTorch format for a method that needs one."""
+        if method.name not in self.draft_keys:
+            draft, weights = method.draft or self.config.draft, method.draft_weights or self.config.draft_weights
+            if method.source == "accelgen":
+                weights = draft_weights_for([method.registered_name], draft, weights, device=self.config.device,
+                                            threads=self.config.threads)
+            self.draft_keys[method.name] = (draft, weights)
+        return self.draft_keys[method.name]
 
     def target(self, method: BenchMethod):
         if method.source == "hf" and self.weights_of(method) == "gguf":

@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from accelgen.cli import (advise, bench, bench_sot, calibrate, data, datastore, export, generate, loadtest, methods,
-                          models, nar, profile, serve, sot, train, tune)
+from accelgen.cli import (advise, bench, bench_sot, calibrate, data, datastore, export, generate, list_methods,
+                          loadtest, models, nar, profile, serve, sot, train, tune)
 from accelgen.cli.common import console
 
 # The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
@@ -74,7 +74,7 @@ def common_options(
 
 # in the order `accelgen --help` lists them
 app.command()(generate.generate)
-app.command()(methods.methods)
+app.command()(list_methods.methods)
 app.command()(models.models)
 app.command()(advise.advise)
 app.command()(bench.bench)

@@ -39,7 +39,7 @@ class ProgressView:
         return self.progress.__exit__(*exc)
 
     def update(self, record: dict, records: list[dict]) -> None:
-        from accelgen.bench.methods import BASELINE
+        from accelgen.bench.rows import BASELINE
         from accelgen.bench.metrics import aggregate, compare_with_baseline
 
         methods = list(dict.fromkeys(r["method"] for r in records))
@@ -111,14 +111,17 @@ def bench(
 def load_bench_models(config):
     """(target, tokenizer, draft model or None) in the run's formats, on its device and fixed thread count."""
     from accelgen.models import load_model
+    from accelgen.models.loading import pytorch_weights
 
     with console.status(f"loading {config.model} on {config.device} …"):
-        target_model, tokenizer = load_model(config.model, dtype=config.dtype, weights=config.weights,
+        target_model, tokenizer = load_model(config.model, dtype=config.dtype,
+                                             weights=pytorch_weights(config.model, config.weights, config.dtype),
                                              threads=config.threads, device=config.device)
     if not config.draft:
         return target_model, tokenizer, None
     with console.status(f"loading {config.draft} on {config.device} …"):
-        draft_model = load_model(config.draft, dtype=config.draft_dtype, weights=config.draft_weights,
+        draft_model = load_model(config.draft, dtype=config.draft_dtype,
+                                 weights=pytorch_weights(config.draft, config.draft_weights, config.draft_dtype),
                                  threads=config.threads, device=config.device)[0]
     return target_model, tokenizer, draft_model
 

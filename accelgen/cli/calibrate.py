@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from accelgen.cli.common import (DEVICE_OPTION, THREADS_OPTION, console, load_prompts, load_with_progress,
-                                 reported_errors, set_threads)
+                                 reported_errors, set_threads, table_console)
 
 
 def calibrate(
@@ -28,6 +28,7 @@ def calibrate(
 ):
     """Choose calm's threshold with Learn-then-Test: agreement with the full model within epsilon, with probability 1 − delta."""
     from accelgen.datasets import prompt_token_ids
+    from accelgen.models.loading import pytorch_weights
     from accelgen.train.calibrate import calibrate_calm, save_calibration
 
     if method != "calm":
@@ -38,7 +39,7 @@ def calibrate(
         raise typer.BadParameter(f"thresholds must be numbers separated by commas, not {thresholds!r}") from None
     chosen = load_prompts(dataset)[-prompts:]
     set_threads(threads)
-    target_model, tokenizer = load_with_progress(model, dtype, device=device)
+    target_model, tokenizer = load_with_progress(model, dtype, pytorch_weights(model, None, dtype), device)
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
 
     def show(row: dict) -> None:
@@ -50,6 +51,6 @@ def calibrate(
                                 epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, heads=heads,
                                 progress=show)
         path = save_calibration(target_model, result)
-    console.print(f"calm ({measure}) → threshold {result['threshold']:g}: disagreement ≤ {epsilon:g} with probability "
-                  f"≥ {1 - delta:g} on prompts like these {len(calibration)}")
+    table_console().print(f"calm ({measure}) → threshold {result['threshold']:g}: disagreement ≤ {epsilon:g} with "
+                          f"probability ≥ {1 - delta:g} on prompts like these {len(calibration)}")
     console.print(f"saved to {path}; `-o threshold=calibrated` uses it")

@@ -40,6 +40,7 @@ def generate(
 ):
     """Generate text with one method and print it (with stats on stderr, or all of it as --json)."""
     import accelgen
+    from accelgen.drafters.draft_tree import draft_weights_for
 
     set_threads(threads)
     if prompt == "-":
@@ -48,6 +49,7 @@ def generate(
         spec = accelgen.get_method(method)
         options = spec.check_options({**parse_options(option, spec.options), **({"heads": heads} if heads else {})})
         spec.check_needs(draft_model=draft, how="--draft")  # before loading the target, which may take a while
+        draft_weights = draft_weights_for([method], draft, draft_weights, device=device, threads=threads)
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                      draft_weights, device)
         request = [{"role": "user", "content": prompt}] if chat else prompt

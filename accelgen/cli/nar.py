@@ -20,7 +20,7 @@ from typing import Optional
 import typer
 
 from accelgen.cli.common import DEVICE_OPTION, FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_HELP, check_device, \
-    console, reported_errors, set_threads
+    console, reported_errors, set_threads, table_console
 from accelgen.nar.task import SUMMARY_MAX_NEW_TOKENS
 
 nar_app = typer.Typer(no_args_is_help=True, help="Non-autoregressive models: code-summary data, generation, benchmark.")
@@ -60,12 +60,12 @@ def methods():
     """The NAR methods: name, paper, and what decoding one output costs."""
     from rich.table import Table
 
-    from accelgen.nar.methods import METHODS
+    from accelgen.nar.catalog import NAR_METHODS
 
     table = Table("method", "paper", "decoding")
-    for method in METHODS.values():
+    for method in NAR_METHODS.values():
         table.add_row(method.name, method.paper, method.decoding)
-    console.print(table)
+    table_console().print(table)  # a listing: stdout, so that it can be piped
 
 
 @nar_app.command("data")
@@ -149,7 +149,7 @@ def generate(
 
     import torch
 
-    from accelgen.nar.methods import load_trained
+    from accelgen.nar.catalog import load_trained
 
     with reported_errors(INPUT_ERRORS):
         text = sys.stdin.read() if source == "-" else source
@@ -198,7 +198,7 @@ def bench(
         teacher_run
     from accelgen.costs import model_format
     from accelgen.models import load_model
-    from accelgen.nar.methods import load_trained
+    from accelgen.nar.catalog import load_trained
     from accelgen.nar.task import REQUEST_NAME, SUMMARY_MAX_NEW_TOKENS, load_task
     from accelgen.train.regenerate import RegenerateSettings
 
@@ -240,7 +240,7 @@ def bench(
     report = report_table(results, len(references), machine, batch_size)
     write_text_atomically(out / "report.md", report)
     plot_quality_speed(results, out / "quality_speed.png")
-    console.print(report)
+    print(report)  # the result, on stdout (the progress went to stderr)
 
 
 def report_table(rows: list[dict], teacher_references: int, machine: dict, batch_size: int) -> str:

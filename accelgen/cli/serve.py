@@ -53,6 +53,7 @@ def serve(
                       "leave out --api-key (and ACCELGEN_API_KEY)")
         raise typer.Exit(2)
     import accelgen
+    from accelgen.drafters.draft_tree import draft_weights_for
     from accelgen.server.app import ServerConfig, create_app, run
     from accelgen.server.engine import Engine
     from accelgen.server.speculation import Goodput, TokenBudget, policy_calibration
@@ -65,6 +66,7 @@ def serve(
         if unserved:
             raise ValueError(f"options given for {', '.join(unserved)}, which this server does not serve ({', '.join(methods)})")
         options = {name: accelgen.get_method(name).check_options(options.get(name, {})) for name in methods}
+        draft_weights = draft_weights_for(methods, draft, draft_weights, device=device, threads=threads)
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                      draft_weights, device)
         config = ServerConfig(model_name=model, model=target_model, tokenizer=tokenizer, draft_model=draft_model,
@@ -73,7 +75,13 @@ def serve(
         if token_budget is not None:
             speculation = TokenBudget(token_budget)
         else:
-            calibration = policy_calibration(target_model, draft_model, max_batch, max_draft)
+            if draft_model is None and "qspec" in methods:  # its drafts cost the target's quantized copy's forwards
+                from accelgen.drafters.qspec import served_copy
+
+                policy_draft = served_copy(target_model, tokenizer, options["qspec"])
+            else:
+                policy_draft = draft_model
+            calibration = policy_calibration(target_model, policy_draft, max_batch, max_draft)
             speculation = Goodput(max_draft=max_draft, calibration=calibration)  # runs on the engine's thread
         engine = Engine(max_batch=max_batch, prefill_chunk=prefill_chunk, speculation=speculation,
                         device=target_model.device)

@@ -32,6 +32,7 @@ def tune(
 ):
     """Tune for a model on this machine: the layers self-speculative skips, or the method auto picks."""
     from accelgen.datasets import prompt_token_ids
+    from accelgen.models.loading import pytorch_weights
 
     if method not in ("self-speculative", "auto"):
         raise typer.BadParameter(f"only self-speculative and auto can be tuned, not {method!r}")
@@ -39,6 +40,8 @@ def tune(
         require_modules("optuna")  # its search; before the model loads
     chosen = calibration_prompts(load_prompts(dataset), prompts)
     set_threads(threads)
+    if method == "self-speculative":  # it walks the target's layers: a PyTorch model
+        weights = pytorch_weights(model, weights, dtype)
     target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                  draft_weights, device)
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
@@ -73,8 +76,8 @@ def tune_self_speculative_command(target_model, tokenizer, calibration, trials, 
                                    gamma=gamma, seed=seed, progress=show)
     path = save_tuned_skip(target_model, result)
     skip = result["skip"]
-    console.print(f"best: skip attention {skip['skip_attention']}, MLP {skip['skip_mlp']}: "
-                  f"{result['speedup']:.2f}× autoregressive on the calibration prompts, τ {result['tau']:.2f}")
+    table_console().print(f"best: skip attention {skip['skip_attention']}, MLP {skip['skip_mlp']}: "
+                          f"{result['speedup']:.2f}× autoregressive on the calibration prompts, τ {result['tau']:.2f}")
     console.print(f"saved to {path}; `--method self-speculative` uses it from now on")
 
 
@@ -94,5 +97,5 @@ def tune_auto_command(target_model, tokenizer, draft_model, calibration, workloa
                       f"{row['tau']:.2f}", f"{row['speedup']:.2f}×")
     table_console().print(table)
     path = save_choice(target_model, draft_model, workload, result)
-    console.print(f"auto → {result['method']} {format_options(result['options'])}: {result['reason']}")
+    table_console().print(f"auto → {result['method']} {format_options(result['options'])}: {result['reason']}")
     console.print(f"saved to {path} (workload {workload!r}); `--method auto` uses it from now on")

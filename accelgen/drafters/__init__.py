@@ -1,1 +1,1 @@
-"""Drafters, one file per method (accelgen/methods.py lists them); `base` holds the contract they share."""
+"""Drafters, one file per method (accelgen/method_table.py lists them); `base` holds the contract they share."""

@@ -9,8 +9,10 @@ measured budget (accelgen/costs.py), so that they never cost more than they are 
 
 Before any calibration it chooses from the costs measured once per model, weight format and machine: at a
 prior acceptance α = PRIOR_ALPHA, draft-model speculation (γ then chosen each step, gamma_schedule="cost") if
-some γ is predicted to pay with the measured draft cost c and verification cost r(k); else prompt lookup, whose
-drafts cost nothing, if some length pays with r(k) alone; else plain decoding (`autoregressive`). Every
+some γ is predicted to pay with the measured draft cost c and verification cost r(k); without a draft model, for a
+bf16/fp32 target, drafting with its own quantized copy (`qspec`, at a prior acceptance SELF_DRAFT_PRIOR_ALPHA and
+the copy's measured c); else prompt lookup, whose drafts cost nothing, if some length pays with r(k) alone; else
+plain decoding (`autoregressive`). Every
 candidate is lossless with the default verifier, so `auto` is too. The choice and its reason are reported in
 the result's stats.
 """
@@ -23,14 +25,18 @@ from functools import partial
 from pathlib import Path
 
 from accelgen.atomic import write_json_atomically
-from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, budgeted, draft_cost_ratio, verify_ratios
+from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, draft_cost_ratio, verify_ratios
 from accelgen.models.loading import beside_weights
 from accelgen.profile import interpolate
 from accelgen.drafters.base import BuildContext
+from accelgen.drafters.budget import budgeted
 from accelgen.registry import MethodOptions, MethodSpec, Part, get_method, register
 from accelgen.theory import best_gamma, predicted_speedup
 
 PREDICTION_MAX_GAMMA = 16  # the longest draft the uncalibrated choice considers
+# the acceptance the uncalibrated choice assumes of the target's own quantized copy (qspec): a 4-bit copy of
+# Qwen2.5-Coder-1.5B had 0.93-0.98 of its drafts accepted; the running acceptance then sizes each draft
+SELF_DRAFT_PRIOR_ALPHA = 0.9
 
 AUTO_FILE = "auto.json"
 
@@ -68,28 +74,45 @@ def save_choice(model, draft_model, workload: str, result: dict) -> Path:
     return path
 
 
-def uncalibrated_choice(target_model, draft_model) -> dict:
-    """The method the measured costs predict fastest at a prior acceptance: speculation with the draft model,
-    prompt lookup, or plain decoding (see the module's docstring); with the reason, in numbers."""
+def uncalibrated_choice(target_model, draft_model, tokenizer=None) -> dict:
+    """The method the measured costs predict fastest at a prior acceptance: speculation with the draft model, else
+    (a bf16/fp32 target) drafting with its own quantized copy (qspec), then prompt lookup, or plain decoding (see
+    the module's docstring); with the reason, in numbers. tokenizer: the target's, for writing its GGUF copy."""
     ratio = partial(interpolate, verify_ratios(target_model))  # tokens per forward -> r
     measured = f"verifying 2 tokens costs r(2) = {ratio(2):.2f} decoding steps"
-    candidates = [("pld", 0.0, "prompt lookup, whose drafts cost nothing,")]
+    candidates = [("pld", 0.0, PRIOR_ALPHA, "prompt lookup, whose drafts cost nothing,")]
     if draft_model is not None:
         cost_ratio = draft_cost_ratio(target_model, draft_model)
         measured += f", drafting a token c = {cost_ratio:.2f}"
-        candidates.insert(0, ("speculative", cost_ratio, "draft-model speculation"))
-    for method, cost_ratio, what in candidates:  # the first that pays
-        gamma = best_gamma(PRIOR_ALPHA, cost_ratio, PREDICTION_MAX_GAMMA, ratio, MIN_GAIN)
+        candidates.insert(0, ("speculative", cost_ratio, PRIOR_ALPHA, "draft-model speculation"))
+    elif (quantized_copy := self_draft(target_model, tokenizer)) is not None:
+        cost_ratio = draft_cost_ratio(target_model, quantized_copy)
+        measured += f", its quantized copy drafting a token c = {cost_ratio:.2f}"
+        candidates.insert(0, ("qspec", cost_ratio, SELF_DRAFT_PRIOR_ALPHA, "drafting with its own quantized copy"))
+    for method, cost_ratio, alpha, what in candidates:  # the first that pays
+        gamma = best_gamma(alpha, cost_ratio, PREDICTION_MAX_GAMMA, ratio, MIN_GAIN)
         if gamma:
-            speedup = predicted_speedup(PRIOR_ALPHA, gamma, cost_ratio, ratio(gamma + 1))
+            speedup = predicted_speedup(alpha, gamma, cost_ratio, ratio(gamma + 1))
             return {"method": method, "options": {"gamma_schedule": "cost"} if method == "speculative" else {},
-                    "reason": f"not calibrated (run `accelgen tune auto`): at a prior acceptance α = {PRIOR_ALPHA} and "
+                    "reason": f"not calibrated (run `accelgen tune auto`): at a prior acceptance α = {alpha} and "
                               f"the costs measured on this machine ({measured}, r({gamma + 1}) = "
                               f"{ratio(gamma + 1):.2f}), {what} is predicted {speedup:.2f}× plain decoding with "
                               f"γ = {gamma}; its draft length then follows the measured costs each step"}
     return {"method": "autoregressive", "options": {},
             "reason": f"not calibrated (run `accelgen tune auto`): at a prior acceptance α = {PRIOR_ALPHA}, no draft "
                       f"length pays on this machine ({measured}): plain decoding"}
+
+
+def self_draft(target_model, tokenizer=None):
+    """The target's own quantized copy (drafters/qspec.py, in the format its quantized="auto" picks), or None where
+    qspec does not apply: a target already quantized or on llama.cpp."""
+    from accelgen.drafters.qspec import check_target, quantized_copy, resolve_format
+
+    try:
+        check_target(target_model)
+    except ValueError:
+        return None
+    return quantized_copy(target_model, tokenizer, resolve_format(target_model, "auto", "auto"), "auto")
 
 
 class AutoDrafter:
@@ -119,7 +142,7 @@ def _make(build: BuildContext, options: AutoOptions) -> AutoDrafter:
         if workload:
             raise ValueError(f"auto: no calibration saved for workload {workload!r} with this draft model; "
                              f"run `accelgen tune auto --dataset {workload}` first")
-        choice = uncalibrated_choice(target_model, draft_model)
+        choice = uncalibrated_choice(target_model, draft_model, build.tokenizer)
     spec = get_method(choice["method"])
     inner = spec.drafter.make(build, spec.drafter.options.take(spec.check_options(choice["options"])))
     if spec.family != "baseline" and inner.draft_budget is None:  # not yet capped by the costs

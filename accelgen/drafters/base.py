@@ -1,4 +1,4 @@
-"""The drafter contract: what every drafter offers the loop (accelgen/generate.py), and what it is built from.
+"""The drafter contract: what every drafter offers the loop (accelgen/loop.py), and what it is built from.
 
 A drafter proposes a Draft for the current context, then hears what was accepted. Its class declares what
 else it does (capabilities, read by the loop and the server); the `Drafter` base class gives the defaults.

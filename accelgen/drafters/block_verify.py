@@ -8,9 +8,17 @@ at least as many tokens on average as token-wise verification. At temperature 0 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from accelgen.drafters.budget import AUTO_LENGTH
 from accelgen.drafters.draft_model import GammaOptions, make_gamma_drafter
 from accelgen.registry import MethodSpec, Part, register
 from accelgen.verify import exact_rule_verifier, verify_block
+
+
+@dataclass(frozen=True)
+class BlockVerifyOptions(GammaOptions):
+    gamma: int | str = AUTO_LENGTH  # tokens drafted per step (AUTO_LENGTH: DRAFT_GAMMA, capped by the measured costs)
 
 
 register(
@@ -21,8 +29,9 @@ register(
         paper="Sun et al. 2024, arXiv:2403.10444",
         summary="draft-model speculative decoding whose gamma-token draft is verified jointly as a block: exact, "
                 "and never fewer accepted tokens on average than token-wise verification",
-        drafter=Part(make_gamma_drafter, GammaOptions),
+        drafter=Part(make_gamma_drafter, BlockVerifyOptions),
         needs=("draft_model",),
         verifier=Part(exact_rule_verifier(verify_block)),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

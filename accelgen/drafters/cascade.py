@@ -24,16 +24,19 @@ import torch
 
 from accelgen.draft import Draft
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import draft_model_drafter
 from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
+USUAL_GAMMA = 3  # the draft length with gamma="auto", capped each step by the measured costs
+
 
 class CascadeDrafter(Drafter):
-    def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, gamma: int = 3,
-                 tail_tokens: int = 3, stage_two_tokens: int = 4, max_ngram: int = 3):
+    def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None,
+                 gamma: int = USUAL_GAMMA, tail_tokens: int = 3, stage_two_tokens: int = 4, max_ngram: int = 3):
         check_at_least_one(gamma=gamma)
         if tail_tokens < 0:
             raise ValueError(f"tail_tokens must be >= 0, got {tail_tokens}")
@@ -68,7 +71,9 @@ def one_hot_rows(tokens: list[int], vocab_size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CascadeLengths(MethodOptions):
-    gamma: int = 3  # tokens the draft model drafts (itself drafted for by the n-gram/bigram model)
+    # tokens the draft model drafts, itself drafted for by the n-gram/bigram model (AUTO_LENGTH: USUAL_GAMMA, capped
+    # by the measured costs)
+    gamma: int | str = AUTO_LENGTH
     tail_tokens: int = 3  # tokens the n-gram/bigram model drafts after them
 
 
@@ -78,7 +83,8 @@ class CascadeOptions(StageTwoOptions, CascadeLengths):
 
 
 def _make(build: BuildContext, options: CascadeOptions) -> CascadeDrafter:
-    return draft_model_drafter(build, CascadeDrafter, **options.as_dict())
+    return draft_model_drafter(build, CascadeDrafter, **{**options.as_dict(),
+                                                         "gamma": draft_length(options.gamma, USUAL_GAMMA)})
 
 
 register(
@@ -91,5 +97,6 @@ register(
                 "draft model drafts the first positions, the n-gram/bigram model the later ones",
         drafter=Part(_make, CascadeOptions),
         needs=("draft_model",),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

@@ -61,5 +61,6 @@ register(
                 "(`accelgen train distillspec`)",
         drafter=Part(_make, DraftingOptions),
         needs=("draft_model",),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

@@ -10,6 +10,8 @@ gamma_schedule: "constant"; "heuristic" (HF's: grow by 2 on full acceptance, shr
 target's verification cost r(k) and the draft's cost ratio c, measured once per machine (accelgen/costs.py),
 and the running acceptance α, c following what each step measures; γ = 0 (plain decoding) when no length
 pays. So γ fits this machine, these models and this text (`scheduled` wraps the drafter in the budget).
+By default (gamma "auto") the loop caps each step's draft of at most DRAFT_GAMMA tokens by that same measured
+budget (`MethodSpec.draft_budget`), so that the defaults never lose to plain decoding; gamma=N fixes the length.
 
 The draft model's logits go through the request's logits processors (sampling.processors) with the context of
 each drafted position, as the target's do, and with a seed it draws each position with the target's Gumbel noise
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from accelgen.costs import SELF_DRAFT_COST, BudgetedDrafter, measured_budget
+from accelgen.costs import SELF_DRAFT_COST, measured_budget
 from accelgen.draft import Draft, Verdict
+from accelgen.drafters.budget import AUTO_LENGTH, BudgetedDrafter, draft_length
 from accelgen.drafters.draft_decoding import TokenChoice, decode_draft_steps
 from accelgen.models.batch import forward_alone
 from accelgen.models.llamacpp import LlamaCppModel
@@ -33,6 +36,8 @@ from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
 GAMMA_SCHEDULES = ("constant", "heuristic", "cost")
+DRAFT_GAMMA = 5  # a draft model's usual draft length (gamma="auto")
+SELF_DRAFT_GAMMA = 4  # the target's own layers' usual draft length (gamma="auto")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class DraftingOptions(MethodOptions):
     """The options of DraftModelDrafter's drafting, for every method that drafts with it (speculative,
     distillspec, online)."""
 
-    gamma: int = 5  # tokens drafted per step
+    gamma: int | str = AUTO_LENGTH  # tokens drafted per step (AUTO_LENGTH: DRAFT_GAMMA, capped by the measured costs)
     gamma_schedule: str = "constant"  # one of GAMMA_SCHEDULES
     max_gamma: int = 32  # the longest draft a "heuristic" or "cost" schedule grows to
     confidence_threshold: float = 0.0  # stop drafting after a token the draft model gives less
@@ -50,7 +55,7 @@ class DraftingOptions(MethodOptions):
 class SelfDraftingOptions(MethodOptions):
     """The drafting options of methods whose target drafts for itself (self-speculative, layerskip)."""
 
-    gamma: int = 4  # tokens drafted per step
+    gamma: int | str = AUTO_LENGTH  # tokens drafted per step (AUTO_LENGTH: SELF_DRAFT_GAMMA, capped by the costs)
     gamma_schedule: str = "constant"  # one of GAMMA_SCHEDULES
     max_gamma: int = 32  # the longest draft a "heuristic" or "cost" schedule grows to
 
@@ -70,7 +75,7 @@ class DraftModelDrafter(Drafter):
         draft_model,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
-        gamma: int = 5,
+        gamma: int | str = DRAFT_GAMMA,
         gamma_schedule: str = "constant",
         max_gamma: int = 32,
         confidence_threshold: float = 0.0,
@@ -80,9 +85,9 @@ class DraftModelDrafter(Drafter):
         `layerskip`: the target's first layers, in the target's own cache).
         greedy_draft_probs: at temperature 0, also attach the draft model's distribution (softmax at
         temperature 1) at each drafted position, for verification rules that use it (`contrastive`).
-        gamma_schedule="cost": drafts max_gamma tokens, for the measured budget to cap (see `scheduled`)."""
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        gamma_schedule="cost": drafts max_gamma tokens, for the measured budget to cap (see `scheduled`).
+        gamma "auto": DRAFT_GAMMA (the loop caps each draft by the measured costs: MethodSpec.draft_budget)."""
+        gamma = draft_length(gamma, DRAFT_GAMMA)
         if gamma_schedule not in GAMMA_SCHEDULES:
             raise ValueError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
         self.runner = runner_for(draft_model) if isinstance(draft_model, (torch.nn.Module, LlamaCppModel)) else draft_model
@@ -146,7 +151,8 @@ def make_gamma_drafter(build: BuildContext, options: GammaOptions) -> DraftModel
 
 def make_self_drafter(runner, build: BuildContext, options: SelfDraftingOptions):
     """The target drafting for itself through `runner`, over its own layers (some skipped, or the first ones)."""
-    drafter = DraftModelDrafter(runner, build.sampling, build.generator, gamma=options.gamma,
+    drafter = DraftModelDrafter(runner, build.sampling, build.generator,
+                                gamma=draft_length(options.gamma, SELF_DRAFT_GAMMA),
                                 gamma_schedule=options.gamma_schedule, max_gamma=options.max_gamma)
     return scheduled(drafter, build.target_model, cost_ratio=SELF_DRAFT_COST)
 
@@ -164,5 +170,6 @@ register(
         summary="a small draft model proposes gamma tokens, the target verifies them in one forward",
         drafter=Part(_make, DraftingOptions),
         needs=("draft_model",),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

@@ -42,13 +42,57 @@ heads included) therefore costs one host read in all.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from accelgen.draft import ROOT, Draft, to_device
 from accelgen.drafters.base import Drafter
 from accelgen.drafters.draft_decoding import catch_up
 from accelgen.models.engines import runner_for
+from accelgen.models.probe import choose_weights, decide
+from accelgen.registry import get_method
 from accelgen.sampling import SamplingConfig, draw, gumbel_choice, logits_to_probs
+
+
+def draft_weights_for(methods: list[str], draft: str | None, draft_weights: str | None, *, device=None,
+                      threads: int | None = None) -> str | None:
+    """The weight format to load the draft in for these methods: draft_weights itself, except "auto" on the CPU
+    where one of the methods needs a PyTorch draft (`MethodSpec.pytorch_draft`: it expands token trees with the
+    draft level by level, which llama.cpp's runner cannot do, keeps a cache of its own or trains it): then the
+    fastest PyTorch format the weights probe measured for the draft (where it found the GGUF file fastest), said
+    on stderr. (On a GPU "auto" is bf16 already.)"""
+    if draft is None or draft_weights != "auto" or not runs_on_cpu(device):
+        return draft_weights
+    needing = [name for name in methods if get_method(name).pytorch_draft]
+    if not needing:
+        return draft_weights
+    probed = choose_weights(draft, threads=threads)
+    if probed["weights"] != "gguf":
+        return draft_weights
+    pytorch = {fmt: timing for fmt, timing in probed["timings"].items() if fmt != "gguf"}
+    if not pytorch:
+        raise ValueError(f"{methods_need(needing)} the draft as a PyTorch model, and the weights probe found no "
+                         f"PyTorch format of {draft!r} here")
+    weights = decide(pytorch)["weights"]
+    print(f"accelgen: --draft-weights auto: {weights} for the draft, the fastest PyTorch format here: "
+          f"{methods_need(needing)} the draft as a PyTorch model, which the GGUF file (fastest overall, run by "
+          f"llama.cpp) is not", file=sys.stderr)
+    return weights
+
+
+def methods_need(names: list[str]) -> str:
+    return f"{', '.join(names)} {'needs' if len(names) == 1 else 'need'}"
+
+
+def runs_on_cpu(device) -> bool:
+    """Whether a model loaded for `device` runs on the CPU (None: the default, the CPU; "auto": CUDA if torch sees
+    a device)."""
+    if device is None:
+        return True
+    if str(device) == "auto":
+        return not torch.cuda.is_available()
+    return torch.device(device).type == "cpu"
 
 
 class DraftModelScorer:
@@ -58,7 +102,8 @@ class DraftModelScorer:
     def __init__(self, draft_model):
         if not isinstance(draft_model, torch.nn.Module):
             raise ValueError("a draft model that expands token trees level by level needs its PyTorch model; "
-                             "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32)")
+                             "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32; on the "
+                             "command line --draft-weights auto picks the fastest of them for this method)")
         self.runner = runner_for(draft_model)  # on a GPU: the static cache, each level's forward a CUDA graph
         self.cached_tokens: list[int] = []  # the committed context whose KV the draft cache holds
         self.cached_nodes: list[int] = []  # then the current tree's scored nodes, in cache order

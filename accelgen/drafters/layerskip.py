@@ -168,5 +168,6 @@ register(
                 "verifies with the remaining layers, reusing the draft's cache",
         drafter=Part(_make, SelfDraftingOptions),
         runner=Part(_make_runner, ExitLayerOptions),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

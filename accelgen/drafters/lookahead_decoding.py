@@ -38,8 +38,8 @@ import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.candidate_tree import draft_from_candidates
-from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 

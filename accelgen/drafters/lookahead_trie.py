@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
-from accelgen.costs import sized_by_costs
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 

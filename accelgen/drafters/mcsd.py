@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
+from accelgen.models.layouts import check_tree_positions
 from accelgen.verify import default_verifier
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig, logits_to_probs
@@ -34,6 +35,7 @@ class McsdOptions(MethodOptions):
 
 def _make(build: BuildContext, options: McsdOptions) -> DraftTreeDrafter:
     check_vocabularies(build.target_model, build.draft_model)
+    check_tree_positions(build.target_model.config)  # at the start: a measured budget may draft its first tree late
     return DraftTreeDrafter(DraftModelScorer(build.draft_model), build.sampling, build.generator,
                             branching=options.branching, replacement=options.replacement)
 
@@ -55,6 +57,8 @@ register(
                 "prefixes in a token tree; verified with the multi-candidate rule",
         drafter=Part(_make, McsdOptions),
         needs=("draft_model",),
+        pytorch_draft=True,  # DraftModelScorer: the draft expands the tree level by level
         verifier=Part(_make_verifier, ReplacementOptions),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

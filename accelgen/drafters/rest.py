@@ -39,9 +39,9 @@ from tqdm.auto import tqdm
 from accelgen.atomic import CorruptFileError, read_checked, save_npy_atomically, write_json_atomically
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.candidate_tree import CandidateTree
 from accelgen.drafters.prompt_lookup import NGramIndex, check_at_least_one, check_size_range, lookup_candidates
-from accelgen.costs import sized_by_costs
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 CONTEXT_MAX_NGRAM = 3  # context=True: the longest tail looked up in the request's own text, as pld's default

@@ -105,5 +105,6 @@ register(
         summary="the target drafts for itself with attention and MLP sub-layers skipped (skip set tuned by Bayesian "
                 "optimisation: `accelgen tune`), then verifies with all layers",
         drafter=Part(_make, SelfSpeculativeOptions),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

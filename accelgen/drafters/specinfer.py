@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
+from accelgen.models.layouts import check_tree_positions
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
@@ -30,6 +31,7 @@ class SpecInferOptions(MethodOptions):
 
 def _make(build: BuildContext, options: SpecInferOptions) -> DraftTreeDrafter:
     check_vocabularies(build.target_model, build.draft_model)
+    check_tree_positions(build.target_model.config)  # at the start: a measured budget may draft its first tree late
     scorer = DraftModelScorer(build.draft_model)
     if options.dynamic:
         return DraftTreeDrafter(scorer, build.sampling, build.generator, width=options.width, depth=options.depth,
@@ -47,5 +49,7 @@ register(
                 "in one target forward with tree attention; multi-step speculative sampling over i.i.d. siblings",
         drafter=Part(_make, SpecInferOptions),
         needs=("draft_model",),
+        pytorch_draft=True,  # DraftModelScorer: the draft expands the tree level by level
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

@@ -13,28 +13,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accelgen.drafters.base import BuildContext
+from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.verify import exact_rule_verifier, verify_spectr
 
+USUAL_GAMMA = 4  # tokens in each draft sequence with gamma="auto"
+
 
 @dataclass(frozen=True)
 class SpecTrOptions(MethodOptions):
     num_drafts: int = 4  # independent draft sequences
-    gamma: int = 4  # tokens in each
+    gamma: int | str = AUTO_LENGTH  # tokens in each (AUTO_LENGTH: USUAL_GAMMA, capped by the measured costs)
 
     def __post_init__(self):
-        for name, value in (("num_drafts", self.num_drafts), ("gamma", self.gamma)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"spectr: {name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.num_drafts, bool) or not isinstance(self.num_drafts, int) or self.num_drafts < 1:
+            raise ValueError(f"spectr: num_drafts must be an integer >= 1, got {self.num_drafts!r}")
+        draft_length(self.gamma, USUAL_GAMMA, "spectr: gamma")
 
 
 def _make(build: BuildContext, options: SpecTrOptions) -> DraftTreeDrafter:
     check_vocabularies(build.target_model, build.draft_model)
     # K-SEQ needs i.i.d. sequences: duplicates included
     return DraftTreeDrafter(DraftModelScorer(build.draft_model), build.sampling, build.generator,
-                            branching=[options.num_drafts] + [1] * (options.gamma - 1), replacement=True)
+                            branching=[options.num_drafts] + [1] * (draft_length(options.gamma, USUAL_GAMMA) - 1),
+                            replacement=True)
 
 
 register(
@@ -47,6 +51,8 @@ register(
                 "cost, approximated) selects one token per depth exactly from the target distribution",
         drafter=Part(_make, SpecTrOptions),
         needs=("draft_model",),
+        pytorch_draft=True,  # DraftModelScorer: the draft expands the tree level by level
         verifier=Part(exact_rule_verifier(verify_spectr)),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

@@ -27,16 +27,19 @@ import torch
 
 from accelgen.draft import ROOT, Draft
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import draft_model_drafter
 from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig, draw
 
+USUAL_GAMMA = 5  # the draft length with gamma="auto", capped each step by the measured costs
+
 
 class StagedDrafter(Drafter):
-    def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None, gamma: int = 5,
-                 branches: int = 2, stage_two_tokens: int = 4, max_ngram: int = 3):
+    def __init__(self, draft_model, sampling: SamplingConfig, generator: torch.Generator | None,
+                 gamma: int = USUAL_GAMMA, branches: int = 2, stage_two_tokens: int = 4, max_ngram: int = 3):
         check_at_least_one(gamma=gamma, branches=branches)
         if stage_two_tokens < 1:
             raise ValueError(f"stage_two_tokens must be >= 1 (the second stage is what makes `staged`), got "
@@ -79,7 +82,7 @@ class StagedDrafter(Drafter):
 
 @dataclass(frozen=True)
 class StagedTree(MethodOptions):
-    gamma: int = 5  # tokens of the draft model's chain
+    gamma: int | str = AUTO_LENGTH  # tokens of the draft model's chain (AUTO_LENGTH: USUAL_GAMMA, capped by the costs)
     branches: int = 2  # first tokens of the tree: the chain's and branches - 1 alternatives
 
 
@@ -89,7 +92,8 @@ class StagedOptions(StageTwoOptions, StagedTree):
 
 
 def _make(build: BuildContext, options: StagedOptions) -> StagedDrafter:
-    return draft_model_drafter(build, StagedDrafter, **options.as_dict())
+    return draft_model_drafter(build, StagedDrafter, **{**options.as_dict(),
+                                                        "gamma": draft_length(options.gamma, USUAL_GAMMA)})
 
 
 register(
@@ -102,5 +106,6 @@ register(
                 "first tokens form a small tree verified in one target forward",
         drafter=Part(_make, StagedOptions),
         needs=("draft_model",),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
     )
 )

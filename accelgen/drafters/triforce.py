@@ -37,11 +37,14 @@ from accelgen import cache as kv
 from accelgen.draft import Draft
 from accelgen.drafters.draft_decoding import decode_draft, shared_prefix
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
+
+USUAL_GAMMA = 6  # the draft length with gamma="auto", capped each step by the measured costs
 
 
 def chunk_scores(query: torch.Tensor, keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -99,7 +102,7 @@ class StreamingProposer:
 
 class TriForceDrafter(Drafter):
     def __init__(self, target_model, target: ModelRunner | None, draft_model, sampling: SamplingConfig,
-                 generator: torch.Generator | None, gamma: int = 6, stage_two_tokens: int = 4, budget: int = 256, chunk_size: int = 16, sink: int = 4,
+                 generator: torch.Generator | None, gamma: int = USUAL_GAMMA, stage_two_tokens: int = 4, budget: int = 256, chunk_size: int = 16, sink: int = 4,
                  window: int = 256):
         for name, value, least in (("gamma", gamma, 1), ("stage_two_tokens", stage_two_tokens, 1),
                                    ("chunk_size", chunk_size, 1), ("budget", budget, chunk_size),
@@ -189,7 +192,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TriForceOptions(MethodOptions):
-    gamma: int = 6  # tokens the retrieval-cache target drafts per step
+    gamma: int | str = AUTO_LENGTH  # tokens the retrieval-cache target drafts per step (AUTO_LENGTH: USUAL_GAMMA,
+    # capped by the measured costs)
     stage_two_tokens: int = 4  # tokens the small model drafts for it per step
     budget: int = 256  # prompt positions the retrieval cache keeps ...
     chunk_size: int = 16  # ... in chunks of this many
@@ -199,8 +203,12 @@ class TriForceOptions(MethodOptions):
 
 def _make(build: BuildContext, options: TriForceOptions) -> TriForceDrafter:
     check_vocabularies(build.target_model, build.draft_model)
+    if not isinstance(build.draft_model, torch.nn.Module):
+        raise ValueError("triforce's small model keeps a StreamingLLM cache of its own, which needs its PyTorch model; "
+                         "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32; on the command "
+                         "line --draft-weights auto picks the fastest of them for this method)")
     return TriForceDrafter(build.target_model, build.target, build.draft_model, build.sampling, build.generator,
-                           **options.as_dict())
+                           **{**options.as_dict(), "gamma": draft_length(options.gamma, USUAL_GAMMA)})
 
 
 register(
@@ -213,5 +221,7 @@ register(
                 "by a small model with a StreamingLLM cache; the full target verifies",
         drafter=Part(_make, TriForceOptions),
         needs=("draft_model",),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
+        pytorch_draft=True,  # StreamingProposer: the small model's own StreamingLLM cache
     )
 )

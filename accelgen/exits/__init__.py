@@ -1,4 +1,4 @@
-"""Early-exit methods, one file per method (accelgen/methods.py lists them).
+"""Early-exit methods, one file per method (accelgen/method_table.py lists them).
 
 Each builds an exit rule for `models.early_exit.EarlyExitRunner`, the target's forward that leaves the layer
 stack early, and drafts nothing (the loop then commits one token per step, from wherever the token exited).

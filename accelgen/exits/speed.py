@@ -131,10 +131,9 @@ class SpeedRunner(ModelRunner):
         # row i sees its layer's keys up to its own position (each cache layer holds every earlier position)
         keys = torch.arange(int(positions.max()) + 1)
         mask = blocking_mask(keys[None, :] <= positions.cpu(), self.dtype)[:, None, None, :].to(self.device)
-        walk = dict(mask=mask, **self.decoder.walk_inputs(hidden, positions))
         routed = RowRoutedCache(self.cache, [flight.repeats_done * self.cycle for flight in flights])
-        for layer in self.decoder.layers[: self.cycle]:  # the distinct layers, each read once for every row
-            hidden = self.decoder.layer(layer, hidden, cache=routed, **walk)
+        # the distinct layers, each read once for every row
+        hidden = self.decoder.through(range(self.cycle), hidden, positions=positions, mask=mask, cache=routed)
         self.passes += 1
         self.rows += len(flights) * self.cycle
         for flight, state in zip(flights, hidden):

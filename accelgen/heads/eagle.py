@@ -21,48 +21,15 @@ This is the `eagle1` recipe. The `eagle3` recipe's head (heads/eagle3.py) is sav
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from accelgen.cache import cache_keyword
+from accelgen.heads.eagle3 import Eagle3Head
+from accelgen.heads.eagle_common import NAME, RECIPES, head_config, saved_recipe
 from accelgen.heads.io import load_heads, save_heads
 
-NAME = "eagle_head"
-
-
-def head_config(target_config):
-    """The LlamaConfig of a one-layer head shaped like the target's layers."""
-    from transformers import LlamaConfig
-
-    heads = target_config.num_attention_heads
-    config = LlamaConfig(
-        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-        intermediate_size=target_config.intermediate_size, num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-        hidden_act=target_config.hidden_act, rms_norm_eps=target_config.rms_norm_eps,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters=dict(target_config.rope_parameters), attention_bias=False,
-    )
-    config._attn_implementation = "sdpa"
-    return config
-
-
-RECIPES = ("eagle1", "eagle3")
-
-
-def saved_recipe(folder) -> str:
-    """The recipe of the head saved in folder ("eagle1" when its JSON names none, as before EAGLE-3)."""
-    path = Path(folder).expanduser() / f"{NAME}.json"
-    try:
-        recipe = json.loads(path.read_text()).get("recipe", "eagle1")
-    except (OSError, ValueError, AttributeError):
-        return "eagle1"  # missing or unreadable: load_heads names the problem
-    if recipe not in RECIPES:
-        raise ValueError(f"{path} names the recipe {recipe!r}; accelgen knows {', '.join(RECIPES)}")
-    return recipe
+# heads/eagle_common.py's names too, importable from here as before
+__all__ = ["NAME", "RECIPES", "EagleHead", "head_config", "new_head", "saved_recipe"]
 
 
 class EagleHead(torch.nn.Module):
@@ -118,11 +85,7 @@ class EagleHead(torch.nn.Module):
     def load(cls, folder, model=None):
         """The head saved in folder, of either recipe (an Eagle3Head for "eagle3"); with a model, checked to fit it
         and cast to its dtype."""
-        head_class = cls
-        if saved_recipe(folder) == "eagle3":
-            from accelgen.heads.eagle3 import Eagle3Head
-
-            head_class = Eagle3Head
+        head_class = Eagle3Head if saved_recipe(folder) == "eagle3" else cls
         head = load_heads(head_class, folder, NAME, "accelgen train eagle", model)
         return head if model is None else head.to(model.dtype)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.cache import cache_keyword
-from accelgen.heads.eagle import NAME, head_config
+from accelgen.heads.eagle_common import NAME, head_config
 from accelgen.heads.io import save_heads
 
 RECIPE = "eagle3"

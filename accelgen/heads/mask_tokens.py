@@ -26,7 +26,7 @@ import torch
 from accelgen.heads.io import check_fits, load_heads, save_heads
 
 NAME = "mask_tokens"
-METHODS = ("bita", "space")
+MASK_TOKEN_METHODS = ("bita", "space")
 FINGERPRINT_ROWS = 64  # embedding rows hashed to recognise a model (as distillspec does)
 
 
@@ -58,8 +58,8 @@ class MaskTokens(torch.nn.Module):
                  fingerprint: str = "", base_model: str = ""):
         """lora_modules: {module name in the model: [d_in, d_out]} for rank > 0."""
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"mask tokens are for {' or '.join(METHODS)}, not {method!r}")
+        if method not in MASK_TOKEN_METHODS:
+            raise ValueError(f"mask tokens are for {' or '.join(MASK_TOKEN_METHODS)}, not {method!r}")
         if count < 1 or prompt_count < 0 or rank < 0:
             raise ValueError(f"need at least one mask token (got {count}), and no negative prompt count or rank")
         self.method, self.rank, self.alpha = method, rank, alpha

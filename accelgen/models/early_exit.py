@@ -69,7 +69,7 @@ class Pending:
 
 
 @dataclass
-class Step:
+class ExitWalk:
     """One decoding step's walk: where it started and left, and what it computed."""
 
     start: int  # the first layer it went through
@@ -82,8 +82,6 @@ class Step:
 
 
 class EarlyExitRunner(ModelRunner):
-    batches = False  # decoding steps walk the layers themselves
-
     def __init__(self, model, rule: ExitRule, propagation: str = "copy", heads=None):
         super().__init__(model)
         if propagation not in PROPAGATIONS:
@@ -103,18 +101,25 @@ class EarlyExitRunner(ModelRunner):
         waiting = 0 if self.pending is None else self.pending.hidden.shape[1]
         return super().length + waiting
 
+    @property
+    def batches(self) -> bool:
+        """Never: a decoding step walks the layers itself, as deep as its own token needs."""
+        return False
+
     def reset(self) -> None:
         super().reset()
         self.layers_used = []
         self.pending = None
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
-        """As ModelRunner.forward; a single token (a decoding step) exits where the rule says."""
-        if token_ids.shape[0] != 1 or tree is not None:
+    def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0,
+                appended: torch.Tensor | None = None) -> torch.Tensor:
+        """As ModelRunner.forward; a single token alone (a decoding step) exits where the rule says, while a block
+        (the prompt, a tree, a token with appended embeddings) goes through every layer."""
+        if token_ids.shape[0] != 1 or tree is not None or appended is not None:
             if self.pending is not None:
                 raise ValueError("early exit decodes one token at a time after the prompt")
-            return super().forward(token_ids, tree, logits_for_last)
+            return super().forward(token_ids, tree, logits_for_last, appended)
         position = self.length
         pending, self.pending = self.pending, None
         step = self._decode(token_ids, position, pending)
@@ -129,6 +134,8 @@ class EarlyExitRunner(ModelRunner):
                 self._finish_pending(pending, step, position)
             if step.exited and self.propagation == "copy":  # CALM: upper layers' KV from the exited state
                 walk = self._walk_inputs([position], step.hidden)
+                # not a walk through the layers (Decoder.through): every upper layer's keys and values come from the
+                # one exited state, none from the layer below
                 for layer in self.decoder.layers[step.exit_layer + 1 :]:
                     self.decoder.attention_block(layer, step.hidden, mask=None, **walk)
             elif step.exited:
@@ -140,7 +147,7 @@ class EarlyExitRunner(ModelRunner):
         self.layers_used.append(step.exit_layer + 1 - step.start)
         return step.logits[None]
 
-    def _decode(self, token_ids: torch.Tensor, position: int, pending: Pending | None) -> "Step":
+    def _decode(self, token_ids: torch.Tensor, position: int, pending: Pending | None) -> "ExitWalk":
         """One token (1,) at `position` through the layers from the rule's first one until the rule exits, the
         pending tokens riding along as extra rows above their exit."""
         token = int(token_ids[0])
@@ -161,6 +168,8 @@ class EarlyExitRunner(ModelRunner):
 
         start = self.rule.first_layer(position)
         exit_layer = self.layer_count - 1
+        # not Decoder.through: the rule decides after each layer whether to go on, the pending tokens join as extra
+        # rows above their exit, and each layer's mask follows its own cache's length
         for index in range(start, self.layer_count):
             previous = hidden
             if pending is not None and index > pending.layer:
@@ -173,13 +182,14 @@ class EarlyExitRunner(ModelRunner):
                 exit_layer = index
                 break
         logits = logits_at(exit_layer, hidden)()
-        return Step(start, exit_layer, exit_layer < self.layer_count - 1, hidden, logits, exit_logits, pending_hidden)
+        return ExitWalk(start, exit_layer, exit_layer < self.layer_count - 1, hidden, logits, exit_logits, pending_hidden)
 
-    def _finish_pending(self, pending: Pending, step: "Step", position: int) -> None:
+    def _finish_pending(self, pending: Pending, step: "ExitWalk", position: int) -> None:
         """Run the pending tokens' layers above both their exit and this step's (which they rode along to)."""
         waiting = pending.hidden.shape[1]
         hidden = step.pending_hidden
         finish = self._walk(list(range(position - waiting, position)), hidden)
+        # not Decoder.through, which takes one mask: these layers' caches hold different numbers of positions
         for index in range(max(step.exit_layer, pending.layer) + 1, self.layer_count):
             hidden = finish(index, hidden)
         if self._learns:

@@ -60,7 +60,7 @@ def alibi_layout(config) -> AlibiLayout | None:
 def check_tree_positions(config) -> None:
     """A ValueError for an ALiBi model that is not described (Falcon with alibi=True), whose forward would bias
     a tree's nodes by their place in the cache rather than by their depth; its chains are scored right."""
-    if config.model_type not in ALIBI_LAYOUTS and getattr(config, "alibi", False):
+    if getattr(config, "alibi", False) and getattr(config, "model_type", None) not in ALIBI_LAYOUTS:
         raise ValueError(f"{config.model_type} with alibi=True: accelgen cannot score token trees with its ALiBi "
                          f"biases (described: {', '.join(ALIBI_LAYOUTS)}); methods that draft chains work")
 
@@ -223,14 +223,18 @@ class Decoder:
         fed = attended if not self.layout.parallel else hidden  # in parallel, the MLP reads the layer's input
         return attended + mlp_output(self.layout, layer, fed) * self.residual_multiplier
 
-    def through(self, layers, hidden: torch.Tensor, *, positions: torch.Tensor, mask, cache) -> torch.Tensor:
-        """hidden (1, m, d) at positions (1, m) through the layers `layers` (indices, increasing), each attending to
-        its cache and, as `mask` allows ((1, 1, m, cached + m) additive, or None for one token), to the m new
-        tokens; every layer appends their keys and values to its cache."""
+    def through(self, layers, hidden: torch.Tensor, *, positions: torch.Tensor, mask, cache,
+                sub_blocks: Callable[[int], tuple[bool, bool]] | None = None) -> torch.Tensor:
+        """hidden (b, m, d) at positions (b, m) through the layers `layers` (indices, increasing), each attending to
+        its cache and, as `mask` allows ((b or 1, 1, m, cached + m) additive, or None for one token), to the m new
+        tokens; every layer appends their keys and values to its cache. The one layer walk of the runners that walk
+        the layers themselves, which differ in their plan: which layers, and, by sub_blocks(index) -> (attend,
+        feed), which of a layer's sub-blocks run (all of them when None)."""
         self.check_reach(int(positions.max()))
         walk = self.walk_inputs(hidden, positions)
         for index in layers:
-            hidden = self.layer(self.layers[index], hidden, mask=mask, cache=cache, **walk)
+            attend, feed = (True, True) if sub_blocks is None else sub_blocks(index)
+            hidden = self.layer(self.layers[index], hidden, attend=attend, feed=feed, mask=mask, cache=cache, **walk)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

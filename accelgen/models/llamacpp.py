@@ -20,8 +20,9 @@ engine and file; where a batched forward rounds differently from a one-token for
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
-import struct
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,26 +32,65 @@ import torch
 
 from accelgen.models.block import Block
 
-XLLAMACPP_VERSION = "2026.10.11549"  # the context-parameter layout below was read off this build
 CONTEXT_TOKENS = 4096
 BATCH_TOKENS = 512
 MAX_SEQUENCES = 64  # sequence 0 + up to 63 leaves per draft tree
 
-# llama_context_params of that build: n_ctx, n_batch, n_ubatch, n_seq_max are its first four uint32 fields;
-# its run of bools (embeddings, offload_kqv, no_perf, op_offload, swa_full, kv_unified) starts at byte 136.
-_BOOLS_OFFSET, _KV_UNIFIED = 136, 141
-_DEFAULT_CONTEXT_HEAD = (512, 2048, 512, 1)
-_DEFAULT_BOOLS = bytes([0, 1, 1, 1, 1, 0])
+# xllamacpp's versions are <year>.<month>.<llama.cpp build>[.<patch>]: each wheel bundles that llama.cpp build, and
+# the parameter structs below are those of the builds in LLAMA_BUILDS (llama.cpp changes them between builds, and a
+# struct passed by value must match the library's exactly). Supporting another build: transcribe its
+# include/llama.h structs, add its number here and widen the llamacpp extra in pyproject.toml to match.
+LLAMA_BUILDS = range(11549, 11550)
+XLLAMACPP_REQUIREMENT = ">=2026.10.11549,<2026.10.11550"  # the wheels bundling those builds (and their patches)
 
 
 class LlamaCppError(RuntimeError):
     """llama.cpp could not be loaded, or refused a call; the message says what to do."""
 
 
-class _Params(ctypes.Structure):
-    """A parameter struct passed by value, as raw bytes (larger than the real one: only its head is read)."""
+class LlamaModelParams(ctypes.Structure):
+    """`struct llama_model_params` of llama.cpp's include/llama.h (builds b11222 to b11549 at least)."""
 
-    _fields_ = [("raw", ctypes.c_uint8 * 512)]
+    _fields_ = [
+        ("devices", ctypes.c_void_p), ("tensor_buft_overrides", ctypes.c_void_p),
+        ("n_gpu_layers", ctypes.c_int32), ("split_mode", ctypes.c_int), ("load_mode", ctypes.c_int),
+        ("lazy_mode", ctypes.c_int), ("main_gpu", ctypes.c_int32),
+        ("tensor_split", ctypes.c_void_p), ("progress_callback", ctypes.c_void_p),
+        ("progress_callback_user_data", ctypes.c_void_p), ("kv_overrides", ctypes.c_void_p),
+        ("vocab_only", ctypes.c_bool), ("check_tensors", ctypes.c_bool), ("use_extra_bufts", ctypes.c_bool),
+        ("no_host", ctypes.c_bool), ("no_alloc", ctypes.c_bool), ("load_mtp", ctypes.c_bool),
+    ]
+
+
+class LlamaContextParams(ctypes.Structure):
+    """`struct llama_context_params` of llama.cpp build b11549: include/llama.h of b11222 (commit a97cce86) with
+    the one field b11549 adds, a pointer after type_v that the library fills (NULL) and accelgen leaves as it is."""
+
+    _fields_ = [
+        ("n_ctx", ctypes.c_uint32), ("n_batch", ctypes.c_uint32), ("n_ubatch", ctypes.c_uint32),
+        ("n_seq_max", ctypes.c_uint32), ("n_rs_seq", ctypes.c_uint32), ("n_outputs_max", ctypes.c_uint32),
+        ("n_outputs_max_per_seq", ctypes.c_uint32), ("n_threads", ctypes.c_int32), ("n_threads_batch", ctypes.c_int32),
+        ("ctx_type", ctypes.c_int), ("rope_scaling_type", ctypes.c_int), ("pooling_type", ctypes.c_int),
+        ("attention_type", ctypes.c_int), ("flash_attn_type", ctypes.c_int),
+        ("rope_freq_base", ctypes.c_float), ("rope_freq_scale", ctypes.c_float), ("yarn_ext_factor", ctypes.c_float),
+        ("yarn_attn_factor", ctypes.c_float), ("yarn_beta_fast", ctypes.c_float), ("yarn_beta_slow", ctypes.c_float),
+        ("yarn_orig_ctx", ctypes.c_uint32), ("defrag_thold", ctypes.c_float),
+        ("cb_eval", ctypes.c_void_p), ("cb_eval_user_data", ctypes.c_void_p),
+        ("type_k", ctypes.c_int), ("type_v", ctypes.c_int),
+        ("added_in_b11549", ctypes.c_void_p),
+        ("abort_callback", ctypes.c_void_p), ("abort_callback_data", ctypes.c_void_p),
+        ("embeddings", ctypes.c_bool), ("offload_kqv", ctypes.c_bool), ("no_perf", ctypes.c_bool),
+        ("op_offload", ctypes.c_bool), ("swa_full", ctypes.c_bool), ("kv_unified", ctypes.c_bool),
+        ("samplers", ctypes.c_void_p), ("n_samplers", ctypes.c_size_t),
+        ("ctx_other", ctypes.c_void_p),
+    ]
+
+
+# what llama_context_default_params() of those builds returns in fields on both sides of the one b11549 added: a
+# library whose defaults differ lays the struct out otherwise, whatever its version says
+CONTEXT_DEFAULTS = {"n_ctx": 512, "n_batch": 2048, "n_ubatch": 512, "n_seq_max": 1, "n_outputs_max_per_seq": 1,
+                    "yarn_ext_factor": -1.0, "type_k": 1, "type_v": 1, "offload_kqv": True, "op_offload": True,
+                    "swa_full": True, "kv_unified": False}
 
 
 class _Batch(ctypes.Structure):
@@ -74,24 +114,72 @@ def library():
         return _library
 
 
-def _load_library():
+def installed_xllamacpp_version() -> str | None:
+    """The installed xllamacpp's version (None when it is not installed)."""
     try:
-        import xllamacpp
-    except ImportError:
-        raise LlamaCppError("the llama.cpp engine needs the xllamacpp package: pip install 'accelgen[llamacpp]'") from None
+        return importlib.metadata.version("xllamacpp")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def llama_build(xllamacpp_version: str) -> int | None:
+    """The llama.cpp build an xllamacpp version bundles ("2026.10.11549" -> 11549); None for a version not in
+    that scheme (the 0.x wheels)."""
+    match = re.fullmatch(r"\d{4}\.\d{1,2}\.(\d+)(\.\d+)?", xllamacpp_version)
+    return int(match.group(1)) if match else None
+
+
+def check_xllamacpp_version(version: str | None) -> None:
+    """A LlamaCppError naming the version found and the one needed, unless xllamacpp bundles a supported build."""
+    install = f"pip install 'xllamacpp{XLLAMACPP_REQUIREMENT}'"
+    if version is None:
+        raise LlamaCppError(f"the llama.cpp engine needs the xllamacpp package: pip install 'accelgen[llamacpp]' "
+                            f"(or {install})")
+    if llama_build(version) not in LLAMA_BUILDS:
+        raise LlamaCppError(f"xllamacpp {version} is installed, but accelgen's llama.cpp engine binds the C API of "
+                            f"xllamacpp{XLLAMACPP_REQUIREMENT} (llama.cpp build {describe_builds()}), whose parameter "
+                            f"structs it passes by value: {install}")
+
+
+def describe_builds() -> str:
+    first, last = LLAMA_BUILDS[0], LLAMA_BUILDS[-1]
+    return f"b{first}" if first == last else f"b{first} to b{last}"
+
+
+def _load_library():
+    version = installed_xllamacpp_version()
+    check_xllamacpp_version(version)
+    import xllamacpp
+
     so = ctypes.CDLL(os.path.join(os.path.dirname(xllamacpp.__file__), "xllamacpp.abi3.so"))
+    declare_signatures(so)
+    defaults = so.llama_context_default_params()
+    differing = {name: getattr(defaults, name) for name, value in CONTEXT_DEFAULTS.items()
+                 if getattr(defaults, name) != value}
+    if differing:
+        raise LlamaCppError(f"xllamacpp {version}'s llama_context_default_params() returns {differing}, not the "
+                            f"defaults of llama.cpp {describe_builds()}: this build is not the one its version names; "
+                            f"reinstall it: pip install --force-reinstall 'xllamacpp{XLLAMACPP_REQUIREMENT}'")
+    if not os.environ.get("ACCELGEN_LLAMACPP_LOG"):
+        so.llama_log_set(ctypes.cast(_silent, ctypes.c_void_p), None)
+    so.llama_backend_init()
+    return so
+
+
+def declare_signatures(so) -> None:
+    """The argument and result types of the C functions the runner calls (include/llama.h)."""
     pointer, i32, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32
     signatures = {
         "llama_backend_init": ([], None),
         "llama_log_set": ([pointer, pointer], None),
-        "llama_model_default_params": ([], _Params),
-        "llama_context_default_params": ([], _Params),
-        "llama_model_load_from_file": ([ctypes.c_char_p, _Params], pointer),
+        "llama_model_default_params": ([], LlamaModelParams),
+        "llama_context_default_params": ([], LlamaContextParams),
+        "llama_model_load_from_file": ([ctypes.c_char_p, LlamaModelParams], pointer),
         "llama_model_free": ([pointer], None),
         "llama_model_get_vocab": ([pointer], pointer),
         "llama_model_n_ctx_train": ([pointer], i32),
         "llama_vocab_n_tokens": ([pointer], i32),
-        "llama_init_from_model": ([pointer, _Params], pointer),
+        "llama_init_from_model": ([pointer, LlamaContextParams], pointer),
         "llama_free": ([pointer], None),
         "llama_n_ctx_seq": ([pointer], u32),
         "llama_set_n_threads": ([pointer, i32, i32], None),
@@ -107,15 +195,6 @@ def _load_library():
     for name, (argtypes, restype) in signatures.items():
         function = getattr(so, name)
         function.argtypes, function.restype = argtypes, restype
-    defaults = bytes(so.llama_context_default_params().raw)
-    head = struct.unpack_from("<IIII", defaults, 0)
-    if head != _DEFAULT_CONTEXT_HEAD or defaults[_BOOLS_OFFSET:_BOOLS_OFFSET + 6] != _DEFAULT_BOOLS:
-        raise LlamaCppError(f"this xllamacpp build lays out llama.cpp's context parameters differently from the one "
-                            f"accelgen reads; install the supported one: pip install xllamacpp=={XLLAMACPP_VERSION}")
-    if not os.environ.get("ACCELGEN_LLAMACPP_LOG"):
-        so.llama_log_set(ctypes.cast(_silent, ctypes.c_void_p), None)
-    so.llama_backend_init()
-    return so
 
 
 @dataclass
@@ -181,14 +260,15 @@ class LlamaCppRunner:
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.context_tokens
         params = so.llama_context_default_params()
-        struct.pack_into("<IIII", params.raw, 0, model.context_tokens, BATCH_TOKENS, BATCH_TOKENS, MAX_SEQUENCES)
-        params.raw[_KV_UNIFIED] = 1  # one KV buffer that all sequences (tree paths) share
+        params.n_ctx, params.n_batch, params.n_ubatch = model.context_tokens, BATCH_TOKENS, BATCH_TOKENS
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True  # one KV buffer that all sequences (tree paths) share
         self._context = so.llama_init_from_model(model._handle, params)
         if not self._context:
             raise LlamaCppError(f"llama.cpp could not create a context of {model.context_tokens} tokens")
         if so.llama_n_ctx_seq(self._context) < model.context_tokens:
             raise LlamaCppError("llama.cpp did not give the sequences one shared KV buffer (kv_unified); "
-                                f"install the supported xllamacpp: pip install xllamacpp=={XLLAMACPP_VERSION}")
+                                f"install a supported xllamacpp: pip install 'xllamacpp{XLLAMACPP_REQUIREMENT}'")
         so.llama_set_n_threads(self._context, model.threads, model.threads)
         self._memory = so.llama_get_memory(self._context)
         self._batch = so.llama_batch_init(BATCH_TOKENS, 0, MAX_SEQUENCES)
@@ -323,32 +403,3 @@ def _chunks(m: int, size: int) -> list[tuple[int, int]]:
 
 def is_llamacpp(model) -> bool:
     return isinstance(model, LlamaCppModel)
-
-
-def load_llamacpp(name_or_path: str, threads: int | None = None) -> tuple[LlamaCppModel, object]:
-    """(model, tokenizer) for an embedded model's or a user's GGUF file, run by llama.cpp on its own weights.
-
-    The tokenizer is transformers' reading of the same file, saved in the cache after the first load."""
-    from transformers import AutoTokenizer
-
-    from accelgen.models.loading import cache_dir, gguf_file, require_gguf_extra
-
-    path = gguf_file(name_or_path)
-    model = LlamaCppModel(path, threads=threads or torch.get_num_threads())
-    saved = cache_dir() / "tokenizers" / f"{path.stem}-{path.stat().st_size}"
-    if (saved / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(saved)
-    else:
-        require_gguf_extra()
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        partial = saved.with_name(saved.name + ".partial")
-        tokenizer.save_pretrained(partial)
-        partial.replace(saved)  # written whole, then renamed
-    model.generation_config = _generation_config(tokenizer)
-    return model, tokenizer
-
-
-def _generation_config(tokenizer):
-    from transformers import GenerationConfig
-
-    return GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)

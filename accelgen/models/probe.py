@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Callable
 
 from accelgen import hardware
-from accelgen.models.loading import cache_dir, write_atomically
+from accelgen.atomic import write_atomically
+from accelgen.models.checkpoints import cache_dir, load_format
+from accelgen.models.embedded import EMBEDDED_MODELS
 
 CANDIDATES = ("gguf", "int4", "int8", "bf16", "fp32")
 PROBE_CONTEXT = 64  # tokens in the cache the timed forwards run after
@@ -43,8 +45,6 @@ PROBE_REPEATS = 3  # timed forwards per size (median), after one warm-up
 
 def available_candidates(name_or_path: str) -> list[str]:
     """The formats this model can be loaded in here: the GGUF engine only for a GGUF file with xllamacpp installed."""
-    from accelgen.models.loading import EMBEDDED_MODELS
-
     candidates = [fmt for fmt in CANDIDATES if fmt != "gguf"]
     has_gguf = name_or_path in EMBEDDED_MODELS or str(name_or_path).endswith(".gguf")
     try:
@@ -59,7 +59,6 @@ def measure_format(name_or_path: str, weights: str, threads: int | None = None) 
     {"t1", "t8"} in seconds, and the seconds the load and the timing took."""
     import torch
 
-    from accelgen.models.loading import load_model
     from accelgen.models.timing import batch_forward_seconds, timing_prompt
 
     previous = torch.get_num_threads()
@@ -67,7 +66,7 @@ def measure_format(name_or_path: str, weights: str, threads: int | None = None) 
         torch.set_num_threads(threads)
     try:
         started = time.perf_counter()
-        model, _ = load_model(name_or_path, weights=weights, threads=threads)
+        model, _ = load_format(name_or_path, weights, threads=threads)
         loaded = time.perf_counter()
         seconds = batch_forward_seconds(model, timing_prompt(model, PROBE_CONTEXT), 1, [1, 8], PROBE_REPEATS)
         timed = time.perf_counter()

@@ -179,11 +179,9 @@ class ModelRunner:
         block = self._block(causal(token_ids.shape[0]) if tree is None else tree)
         positions = block.positions[None].to(self.device)
         hidden = self.decoder.embed(token_ids, positions)
-        walk = dict(mask=block.mask(self.dtype, self.device), cache=self.cache,
-                    **self.decoder.walk_inputs(hidden, positions))
-        for index, layer in enumerate(self.decoder.layers):
-            attend, feed = self.plan.sub_blocks(index)
-            hidden = self.decoder.layer(layer, hidden, attend=attend, feed=feed, **walk)
+        hidden = self.decoder.through(range(len(self.decoder.layers)), hidden, positions=positions,
+                                      mask=block.mask(self.dtype, self.device), cache=self.cache,
+                                      sub_blocks=self.plan.sub_blocks)
         return self.decoder.logits(hidden[:, -logits_for_last:])[0]
 
     def _keep_hidden(self, hidden: torch.Tensor) -> None:

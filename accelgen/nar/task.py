@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
-from accelgen.nar.methods import TOKENIZER_FOLDER, VOCAB_FILE
+from accelgen.nar.catalog import TOKENIZER_FOLDER, VOCAB_FILE
 from accelgen.nar.data import Example, cached_corpus, load_examples, save_examples, split_by_package
 from accelgen.nar.tokens import Vocabulary, encode_pairs
 

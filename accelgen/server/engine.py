@@ -18,6 +18,12 @@ Two policies keep the batch fast and fair:
 
 The policy learns from timed forwards; on a GPU their clocks are read after the device has finished
 (hardware.synchronize), as its kernels run asynchronously.
+
+A seeded request (`Sequence.seeded`) is run as if it were alone: its drafts and target forwards share no batch,
+its drafts are capped by no policy (its method's own lengths, which follow no clock under a seed) and its prompt is
+fed in chunks of `prefill_chunk` whatever else waits. The logits of a row depend on the shape of the forward that
+computed them (in float32 by about 1e-5, in bf16 by much more), so this is what makes its tokens independent of
+the timings and of the other requests, in every dtype, at the cost of the forwards it does not share.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from accelgen.generate import Chunk, GenerationResult, Sequence, Step
+from accelgen.loop import Chunk, GenerationResult, Sequence, Step
 from accelgen.hardware import timed
 from accelgen.models.batch import batched_forward, forward_together
 from accelgen.server.speculation import Goodput, TokenBudget
@@ -179,16 +185,19 @@ class Engine:
             planned, cap = self._plan()
         if not planned:
             return
-        # a block with prompt tokens would pad every decode to its width: prompt chunks share a forward apart
-        decoding = [pair for pair in planned if pair[0].sequence.uncached == 1]
-        prompts = [pair for pair in planned if pair[0].sequence.uncached > 1]
+        shared = [pair for pair in planned if not pair[0].sequence.seeded]
+        # a block with prompt tokens would pad every decode to its width: prompt chunks share a forward apart;
+        # a seeded request forwards alone (see the module's docstring)
+        decoding = [pair for pair in shared if pair[0].sequence.uncached == 1]
+        prompts = [pair for pair in shared if pair[0].sequence.uncached > 1]
+        alone = [[pair] for pair in planned if pair[0].sequence.seeded]
         logits = {}
-        for group in [group for group in (decoding, prompts) if group]:
+        for group in [group for group in (decoding, prompts, *alone) if group]:
             for (request, _), rows in zip(group, self._forward(group)):
                 logits[id(request)] = rows
         with self.lock:
             for request, step in planned:
-                self._commit(request, step, logits[id(request)], cap)
+                self._commit(request, step, logits[id(request)], None if request.sequence.seeded else cap)
         self.stats.forwards += 1
         self.stats.batch_size = len(planned)
         self.stats.step_seconds += time.perf_counter() - started
@@ -217,28 +226,37 @@ class Engine:
             else:  # cancelled
                 self.stats.aborted += 1
             self._leave(request)
-        # prompt tokens share a budget of prefill_chunk per step, taken in arrival order; decodes always run
+        # prompt tokens share a budget of prefill_chunk per step, taken in arrival order (a seeded request takes a
+        # whole chunk whatever is left, so that its chunks do not depend on the others); decodes always run
         active, prefill_limits, budget = [], {}, self.prefill_chunk
         for request in self._running:
             if self.prefill_chunk and request.sequence.uncached > 1:
-                if budget == 0:
+                if budget == 0 and not request.sequence.seeded:
                     continue  # sits this step out
-                prefill_limits[id(request)] = budget
+                prefill_limits[id(request)] = self.prefill_chunk if request.sequence.seeded else budget
                 budget -= min(budget, request.sequence.uncached)
             active.append(request)
         if not active:
             return [], None
-        cap = self.speculation.draft_length([r for r in active if r.sequence.uncached == 1])
+        shared = [r for r in active if not r.sequence.seeded]
+        cap = self.speculation.draft_length([r for r in shared if r.sequence.uncached == 1])
         self.stats.draft_cap = cap
         self.stats.draft_cap_total += cap or 0
         # draft models run for the whole batch in lockstep, one batched forward per draft step
-        steps, drafting_seconds = timed(self.device, lambda: forward_together(
-            [r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in active]))
-        drafted_with_model = [len(step.draft) for r, step in zip(active, steps)
+        shared_steps, drafting_seconds = timed(self.device, lambda: forward_together(
+            [r.sequence.planning(cap, prefill_limits.get(id(r), 0)) for r in shared]))
+        drafted_with_model = [len(step.draft) for r, step in zip(shared, shared_steps)
                               if isinstance(step, Step) and step.draft and r.sequence.drafts_with_a_model]
         if drafted_with_model:
             self.speculation.measured(draft_batch=len(drafted_with_model), draft_rounds=max(drafted_with_model),
                                       draft_seconds=drafting_seconds)
+        # a seeded request drafts alone, its method's own lengths (None: no cap)
+        steps_of = dict(zip(map(id, shared), shared_steps))
+        for request in active:
+            if request.sequence.seeded:
+                planning = request.sequence.planning(None, prefill_limits.get(id(request), 0))
+                steps_of[id(request)] = forward_together([planning])[0]
+        steps = [steps_of[id(request)] for request in active]
         planned = []
         for request, step in zip(active, steps):
             if isinstance(step, Exception):  # a drafter failing hurts its own request only

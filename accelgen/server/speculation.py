@@ -23,8 +23,9 @@ arXiv:2310.18813). Two policies:
   over t(b, 1), less one) under costs.PROBE_COST of the decoding time; and never where no g would pay even
   with every drafted token accepted (a probe would only make the draft models catch up on skipped tokens).
 
-Either way the cap only shortens drafts, so outputs are unchanged: each request still gets exactly the
-tokens it would get alone.
+Either way the cap only shortens drafts, so outputs are unchanged: each request gets the tokens it would get alone,
+up to the rounding of another forward shape (a near-tie may flip; float32 logits move by about 1e-5, bf16 by much
+more). A seeded request takes no cap: the engine runs it as if alone (engine.py), so its tokens are exactly its own.
 """
 
 from __future__ import annotations

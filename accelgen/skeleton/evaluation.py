@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from accelgen.bench.report import table
-from accelgen.generate import generate as decode
+from accelgen.loop import generate as decode
 from accelgen.quality import rouge_l
 from accelgen.skeleton.asking import calibrated_label, pairwise_verdict, router_probabilities
 from accelgen.skeleton.pipeline import generate as skeleton_of_thought

@@ -1,7 +1,7 @@
 """Skeleton-of-Thought's point-expanding stage: every point decoded at once, as one batch (Ning et al. 2023,
 arXiv:2307.15337, section 3.1: "batch decoding" of the points for open-source models).
 
-Each point is one `Sequence` of the generation loop (accelgen/generate.py), stepped together by `run_together`:
+Each point is one `Sequence` of the generation loop (accelgen/loop.py), stepped together by `run_together`:
 each step is one batched target forward over every point still decoding (models/batch.py), and each point
 verifies and commits on its own KV cache, so that each point decodes as it would alone. Any method runs, and a
 method that drafts with a model batches its drafts too.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from accelgen import cache as kv
-from accelgen.generate import GenerationResult, Sequence, run_together, start_sequences
+from accelgen.loop import GenerationResult, Sequence, run_together, start_sequences
 from accelgen.hf import generation_settings
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from accelgen.generate import generate as decode
+from accelgen.loop import generate as decode
 from accelgen.skeleton.expand import expand_points
 from accelgen.skeleton.prompts import (assemble_answer, check_question, parse_points, point_prompt_ids,
                                        skeleton_prompt_ids, SKELETON_START)

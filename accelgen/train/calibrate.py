@@ -21,7 +21,7 @@ from scipy.stats import binom
 
 from accelgen.atomic import write_json_atomically
 from accelgen.exits.calm import CALIBRATION_FILE
-from accelgen.generate import generate
+from accelgen.loop import generate
 from accelgen.models.loading import beside_weights
 from accelgen.quality import token_agreement
 

@@ -32,7 +32,7 @@ def tau_prompts(windows: torch.Tensor) -> list[list[int]]:
 @torch.no_grad()
 def measured_tau(model, tokenizer, prompts: list[list[int]], method: str, head, tree: dict | None = None) -> float:
     """Tokens per target forward when `method` drafts with `head` (saved to a scratch folder) on prompts, greedy."""
-    from accelgen.generate import generate
+    from accelgen.loop import generate
 
     new_tokens = forwards = 0
     was_training = head.training

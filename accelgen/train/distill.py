@@ -40,7 +40,7 @@ import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.drafters.distillspec import DISTILLSPEC_FILE, model_fingerprint
-from accelgen.generate import generate
+from accelgen.loop import generate
 from accelgen.train.loop import ScaleOut, run_training, training_device
 
 DIVERGENCES = ("tvd", "fkl", "rkl")

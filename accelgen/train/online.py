@@ -44,7 +44,7 @@ from accelgen.atomic import save_figure_atomically
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, scheduled_draft_model_drafter
-from accelgen.generate import generate
+from accelgen.loop import generate
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.train.distill import Example, check_divergence, distillation_step, trainable_parameters
 
@@ -219,6 +219,8 @@ register(
                 "target rejected; share the learner across calls via learner=",
         drafter=Part(_make, OnlineOptions),
         needs=("draft_model",),
+        draft_budget="measured",  # drafts capped by the measured costs unless the request fixes their length
+        pytorch_draft=True,  # it trains the draft's weights
     )
 )
 

@@ -2,7 +2,7 @@
 
 A drafter learns to predict the target; trained on human-written answers (ShareGPT's), it learns text the target
 would not have written. `regenerate` answers each prompt with the target (accelgen's own generation, several
-prompts per batched forward: accelgen.generate.run_together), greedily or sampled at a temperature, and keeps the
+prompts per batched forward: accelgen.loop.run_together), greedily or sampled at a temperature, and keeps the
 answers in a folder:
 
     manifest.json           the settings (model, format, dataset, temperature, ...) and the shards done
@@ -109,7 +109,7 @@ def check_done_shards(folder, manifest: dict, chunks: list[list[Prompt]]) -> Non
 def answer_batch(model, tokenizer, prompts: list[Prompt], token_ids: list[list[int]],
                  settings: RegenerateSettings) -> list[dict]:
     """The target's answers to prompts (token_ids: each prompt as the model sees it), in one batched run."""
-    from accelgen.generate import Sequence, run_together
+    from accelgen.loop import Sequence, run_together
 
     sequences = []
     try:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import accelgen
-from accelgen.bench import llamacpp, methods, runner
+from accelgen.bench import llamacpp, rows, runner
 from accelgen.bench.runner import BenchConfig
 from accelgen.prompts import encode_prompt, eos_token_ids
 
@@ -38,7 +38,7 @@ def peers():
 
 
 def row(name: str) -> tuple:
-    method = methods.variant(methods.available_methods(), name)
+    method = rows.variant(rows.available_methods(), name)
     return method, method.check_options({})
 
 
@@ -62,7 +62,7 @@ def test_the_server_reads_the_prompt_token_ids_as_given(peers, tokenizer):
 
 @needs_xllamacpp
 def test_greedy_output_is_deterministic_and_matches_accelgens_llamacpp_runner(peers, tokenizer):
-    from accelgen.models.llamacpp import load_llamacpp
+    from accelgen.models.checkpoints import load_llamacpp
 
     prompt_ids = encode_prompt(tokenizer, [{"role": "user", "content": "Name three colours."}])
     plain = run(peers, "llamacpp", prompt_ids, 12)
@@ -110,6 +110,7 @@ def test_llamacpp_options_reach_the_server(tokenizer):
         row("llamacpp-ngram@draft_max=6")
 
 
+@pytest.mark.slow  # three llama.cpp servers and SmolLM2; the tests above run each llama.cpp row by default
 @needs_xllamacpp
 def test_bench_interleaves_llamacpp_rows_with_the_others(tmp_path, smollm, tokenizer):
     """A run with llama.cpp rows: records in format gguf compared with the plain llamacpp row; the plain row with
@@ -157,8 +158,8 @@ def test_a_model_without_a_gguf_file_is_a_clear_error(tmp_path):
 
 def test_llamacpp_rows_take_no_weight_format_and_need_a_draft():
     with pytest.raises(ValueError, match="its own weight format"):
-        methods.resolve_methods(["llamacpp@weights=int8"], set(), 0)
+        rows.resolve_methods(["llamacpp@weights=int8"], set(), 0)
     with pytest.raises(ValueError, match="needs draft_model"):
-        methods.resolve_methods(["llamacpp-draft"], set(), 0)
+        rows.resolve_methods(["llamacpp-draft"], set(), 0)
     with pytest.raises(ValueError, match="greedy decoding only"):
-        methods.resolve_methods(["llamacpp"], set(), 0.7)
+        rows.resolve_methods(["llamacpp"], set(), 0.7)

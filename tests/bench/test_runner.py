@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import accelgen
 import accelgen.registry
-from accelgen.bench import methods, report, runner
+from accelgen.bench import report, rows, runner
 from accelgen.bench.runner import BenchConfig
 from accelgen.cli import app
 from accelgen.draft import Draft
@@ -182,23 +182,23 @@ def test_method_order_is_shuffled_per_prompt_and_reproducible():
 
 
 def test_resolve_methods():
-    default, notes = methods.resolve_methods(None, resources=set(), temperature=0)
+    default, notes = rows.resolve_methods(None, resources=set(), temperature=0)
     names = [m.name for m in default]
     assert names[0] == "hf-greedy" and "hf-prompt-lookup" in names and "autoregressive" in names
     assert "speculative" not in names and any("skipping speculative: needs draft_model" in n for n in notes)
-    chosen, notes = methods.resolve_methods(["speculative"], {"draft_model"}, 0)
+    chosen, notes = rows.resolve_methods(["speculative"], {"draft_model"}, 0)
     assert [m.name for m in chosen] == ["hf-greedy", "speculative"] and "added hf-greedy" in notes[0]
     with pytest.raises(ValueError, match="unknown method 'warp-drive'"):
-        methods.resolve_methods(["warp-drive"], set(), 0)
+        rows.resolve_methods(["warp-drive"], set(), 0)
     with pytest.raises(ValueError, match="'speculative' needs draft_model"):
-        methods.resolve_methods(["speculative"], set(), 0)
+        rows.resolve_methods(["speculative"], set(), 0)
     with pytest.raises(ValueError, match="'consistent-ee' needs heads"):
-        methods.resolve_methods(["consistent-ee"], set(), 0)
+        rows.resolve_methods(["consistent-ee"], set(), 0)
     for given in (["consistent-ee@heads=policy"], ["consistent-ee"]):  # in the variant's name, or with -o
-        chosen, _ = methods.resolve_methods(given, set(), 0, {} if "@" in given[0] else {"consistent-ee": {"heads": "p"}})
+        chosen, _ = rows.resolve_methods(given, set(), 0, {} if "@" in given[0] else {"consistent-ee": {"heads": "p"}})
         assert chosen[1].name == given[0]
     with pytest.raises(ValueError, match="options given for 'speculative'"):
-        methods.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
+        rows.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
 
 
 def test_variants_sweep_a_lossy_method_in_one_run(tmp_path, prompts_file, tiny_target, tiny_draft, tokenizer):
@@ -221,25 +221,25 @@ def test_a_variant_brings_its_own_draft_model(tmp_path, prompts_file, tiny_targe
     tiny_target.save_pretrained(tmp_path / "own")
     own = f"speculative@draft={tmp_path / 'own'}"
     results, _ = bench(tmp_path, prompts_file, tiny_target, tokenizer, draft_model=tiny_draft,
-                       methods=["speculative", own])
+                       methods=["speculative", own], options={"speculative": {"gamma": 4}})  # drafts of a fixed length
     overall = results["aggregates"]["overall"]
     assert overall[own]["acceptance_rate"] == 1.0 > overall["speculative"]["acceptance_rate"]
     assert overall[own]["identical"] == overall["speculative"]["identical"] == 2
-    alone, _ = methods.resolve_methods([own], set(), 0)  # its own draft meets the need without --draft
+    alone, _ = rows.resolve_methods([own], set(), 0)  # its own draft meets the need without --draft
     assert alone[1].draft == str(tmp_path / "own")
 
 
 def test_options_for_a_method_reach_its_variants_unless_they_set_them():
     """-o rest.datastore=PATH serves every rest row; a variant's own value wins over -o for its method."""
     given = {"specdec": {"beta": 7, "tau": 0.5}}
-    chosen, _ = methods.resolve_methods(["specdec", "specdec@beta=2"], {"draft_model"}, 0, given)
+    chosen, _ = rows.resolve_methods(["specdec", "specdec@beta=2"], {"draft_model"}, 0, given)
     plain, swept = chosen[1:]
     assert plain.check_options(plain.given_options(given))["beta"] == 7
     assert swept.check_options(swept.given_options(given)) == {"gamma": 5, "beta": 2, "tau": 0.5}
-    needs_store, _ = methods.resolve_methods(["rest@max_nodes=8"], set(), 0, {"rest": {"datastore": "store"}})
+    needs_store, _ = rows.resolve_methods(["rest@max_nodes=8"], set(), 0, {"rest": {"datastore": "store"}})
     assert needs_store[1].given_options({"rest": {"datastore": "store"}}) == {"datastore": "store"}
     with pytest.raises(ValueError, match="needs datastore"):
-        methods.resolve_methods(["rest@max_nodes=8"], set(), 0)
+        rows.resolve_methods(["rest@max_nodes=8"], set(), 0)
 
 
 @pytest.mark.parametrize("name, message", [("specdec@beta", "name=value"), ("specdec@warp=1", "has no option 'warp'"),
@@ -247,15 +247,15 @@ def test_options_for_a_method_reach_its_variants_unless_they_set_them():
                                            ("pld@draft=folder", "pld takes no draft model")])
 def test_bad_variants_are_named(name, message):
     with pytest.raises(ValueError, match=message):
-        methods.resolve_methods([name], {"draft_model"}, 0)
+        rows.resolve_methods([name], {"draft_model"}, 0)
 
 
 def test_llma_copies_from_the_prompt_when_no_references_are_given(smollm):
     model, tokenizer = smollm
-    chosen, _ = methods.resolve_methods(["llma"], runner.PROMPT_RESOURCES, 0)
+    chosen, _ = rows.resolve_methods(["llma"], runner.PROMPT_RESOURCES, 0)
     llma = chosen[1]
     prompt_ids = tokenizer("one two three four five six seven eight nine ten. one two three four five six").input_ids
-    record = methods.run_accelgen(llma, model, tokenizer, prompt_ids, draft_model=None, max_new_tokens=6,
+    record = rows.run_accelgen(llma, model, tokenizer, prompt_ids, draft_model=None, max_new_tokens=6,
                                   temperature=0, seed=0, options=llma.check_options({}))
     assert record["accepted_draft_tokens"] > 0 and record["target_forwards"] < 6
 
@@ -265,14 +265,14 @@ def test_auto_gets_the_runs_draft_model(tiny_target, tiny_draft, tokenizer, meas
     """`auto` needs no draft model but uses one when the run has it (uncalibrated, with a draft that costs little
     and verification as cheap as decoding: speculation with it)."""
     measured_costs({tiny_target: (0.01, {1: 1.0}), tiny_draft: (0.0001, {1: 1.0})})
-    auto = methods.resolve_methods(["auto"], runner.PROMPT_RESOURCES, 0)[0][1]
-    record = methods.run_accelgen(auto, tiny_target, tokenizer, [5, 17, 923], draft_model=tiny_draft if with_draft else None,
+    auto = rows.resolve_methods(["auto"], runner.PROMPT_RESOURCES, 0)[0][1]
+    record = rows.run_accelgen(auto, tiny_target, tokenizer, [5, 17, 923], draft_model=tiny_draft if with_draft else None,
                                   max_new_tokens=4, temperature=0, seed=0, options=auto.check_options({}))
     assert record["choice"]["method"] == chosen
 
 
 def test_hf_committed_per_step_from_cache_lengths():
-    counter = methods.ForwardCounter.__new__(methods.ForwardCounter)
+    counter = rows.ForwardCounter.__new__(rows.ForwardCounter)
     # prompt of 10: the prefill forward verifies one candidate, later forwards start at cache lengths 11, 13
     counter.forwards, counter.cache_lengths = 3, [0, 11, 13]
     assert counter.committed_per_step(prompt_length=10, new_tokens=6) == [2, 2, 2]
@@ -281,7 +281,7 @@ def test_hf_committed_per_step_from_cache_lengths():
 
 
 def test_variant_values_follow_the_option_type():
-    from accelgen.bench.methods import available_methods, variant
+    from accelgen.bench.rows import available_methods, variant
 
     assert variant(available_methods(), "auto@workload=2024").options["workload"] == "2024"
 
@@ -310,7 +310,7 @@ def test_bench_report_rerenders_saved_results(tmp_path, prompts_file, tiny_targe
 
 
 def test_weight_format_variants_and_llamacpp_rows_are_parsed():
-    chosen, _ = methods.resolve_methods(["autoregressive@weights=int8", "speculative@weights=gguf+draft_weights=int4",
+    chosen, _ = rows.resolve_methods(["autoregressive@weights=int8", "speculative@weights=gguf+draft_weights=int4",
                                          "pld@draft_budget=measured", "llamacpp", "llamacpp-draft"],
                                         {"draft_model"}, 0)
     by_name = {m.name: m for m in chosen}
@@ -320,7 +320,7 @@ def test_weight_format_variants_and_llamacpp_rows_are_parsed():
     assert by_name["pld@draft_budget=measured"].check_options({})["draft_budget"] == "measured"
     assert by_name["llamacpp"].source == "llamacpp" and by_name["llamacpp"].weights == "gguf"
     with pytest.raises(ValueError, match="unknown weights format"):
-        methods.resolve_methods(["pld@weights=int3"], set(), 0)
+        rows.resolve_methods(["pld@weights=int3"], set(), 0)
 
 
 def test_rows_in_their_own_format_are_checked_against_that_formats_autoregressive(tmp_path, prompts_file, tiny_target,
@@ -387,7 +387,7 @@ def test_models_on_another_device_than_the_runs_are_refused():
 def test_a_gpu_run_leaves_out_llamacpps_cpu_rows(prompts_file, monkeypatch):
     monkeypatch.setattr(runner, "resolve_device", lambda device: torch.device("cuda", 0))  # as if on a GPU machine
     monkeypatch.setattr(runner, "resolve_methods", lambda *args: (
-        [methods.HF_METHODS["hf-greedy"], methods.LLAMACPP_METHODS["llamacpp"]], []))
+        [rows.HF_METHODS["hf-greedy"], rows.LLAMACPP_METHODS["llamacpp"]], []))
     plan = runner.plan(BenchConfig(model="tiny", dataset=f"jsonl:{prompts_file}", device="cuda"))
     assert [m.name for m in plan.methods] == ["hf-greedy"]
     assert plan.notes == ["skipping llamacpp: llama.cpp runs on the CPU only, this run on cuda"]

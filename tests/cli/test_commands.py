@@ -91,15 +91,15 @@ def test_out_of_range_numbers_are_refused_before_anything_runs(command):
     assert result.exit_code == 2 and "Invalid value for '--" in result.output and "Traceback" not in result.output
 
 
-def test_readme_method_table_is_the_registry():
-    """The README's method table is `accelgen methods --markdown`: regenerate it when methods change."""
+def test_docs_method_table_is_the_registry():
+    """docs/methods.md's table is `accelgen methods --markdown`: regenerate it when methods change."""
     from pathlib import Path
 
     import accelgen
-    from accelgen.cli.methods import methods_markdown
+    from accelgen.cli.list_methods import methods_markdown
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    assert methods_markdown(accelgen.list_methods()) in readme
+    page = (Path(__file__).parents[2] / "docs" / "methods.md").read_text()
+    assert methods_markdown(accelgen.list_methods()) in page
 
 
 def test_serve_refuses_bad_methods_and_options_before_loading():

@@ -21,6 +21,13 @@ LINEAR = {1: 1.0, 16: 16.0}
 FLAT = {1: 1.0, 16: 1.0}
 
 
+@pytest.fixture(autouse=True)
+def no_self_draft(monkeypatch):
+    """These tests choose among a draft model, prompt lookup and plain decoding; auto's choice of the target's own
+    quantized copy (qspec) is tested in test_qspec.py."""
+    monkeypatch.setattr("accelgen.drafters.auto.self_draft", lambda target_model, tokenizer=None: None)
+
+
 @pytest.fixture
 def cheap_draft(tiny_target):
     """The target's own weights (its drafts are always right), under another name: timed as a draft model."""

@@ -30,6 +30,7 @@ def test_drafts_stop_before_the_first_unsure_token(smollm, smollm_shallow):
     assert float(torch.softmax(logits, dim=-1).max()) < 0.6
 
 
+@pytest.mark.slow  # three SmolLM2 runs; the tests below run bild end to end by default
 def test_rollback_zero_is_lossless_fallback_drafts_less_and_tolerance_accepts_more(smollm, smollm_shallow,
                                                                                       assert_lossless):
     model, tokenizer = smollm

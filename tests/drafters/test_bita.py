@@ -84,6 +84,7 @@ def test_max_new_tokens_smaller_than_a_draft(tiny_target, tokenizer, greedy, ass
     assert len(result.token_ids) == budget
 
 
+@pytest.mark.slow  # SmolLM2 twice; the tiny-model tests here run bita end to end by default
 def test_smollm2_is_lossless_with_untrained_and_oracle_drafts(smollm, copy_prompt, assert_lossless, greedy,
                                                                tmp_path, mask_oracle):
     model, tokenizer = smollm

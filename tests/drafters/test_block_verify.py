@@ -21,6 +21,7 @@ def test_smollm_shallow_draft_is_lossless_with_partial_acceptance(smollm, smollm
     assert 0 < result.stats["acceptance_rate"] < 1 and result.stats["mean_accepted_tokens"] > 1.0
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target, sampling_draft):
     assert_samples_target("block-verify", [1, 3, 4], draft_model=sampling_draft, gamma=2)
 

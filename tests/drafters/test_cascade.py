@@ -70,7 +70,8 @@ def test_horizontal_tail_is_accepted_on_repetitive_text(cycling_model, cycle_pro
 
 def test_smollm_draft_is_lossless_with_partial_acceptance(smollm, smollm_26_layers, copy_prompt, assert_lossless):
     model, tokenizer = smollm
-    result = assert_lossless(model, tokenizer, copy_prompt, "cascade", 16, draft_model=smollm_26_layers)
+    result = assert_lossless(model, tokenizer, copy_prompt, "cascade", 16,
+                             draft_budget="method", draft_model=smollm_26_layers)
     assert 0 < result.stats["acceptance_rate"] < 1 and result.stats["mean_accepted_tokens"] > 1.3
 
 
@@ -101,6 +102,7 @@ def test_the_tail_drafts_alone_once_the_draft_models_context_is_full(cycling_mod
     assert result.stats["mean_accepted_tokens"] > 3
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target, sampling_draft):
     # the prompt gives every token but EOS a bigram follower, so a tail is drafted at every step; tail rows other
     # than point masses (e.g. uniform) fail this test

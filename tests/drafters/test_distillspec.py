@@ -56,6 +56,7 @@ def test_max_new_tokens_below_gamma(sharp_target, distilled, tokenizer, assert_l
         assert len(result.token_ids) == max_new_tokens
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(sampling_model, sampling_draft, tokenizer, assert_samples_target,
                                                  tmp_path):
     draft = distilled_folder(sampling_model, copy.deepcopy(sampling_draft), tokenizer, tmp_path,

@@ -93,6 +93,7 @@ def test_a_stop_token_ends_the_draft_after_it(tiny_target):
     assert following == decode_draft(ModelRunner(tiny_target), [], PROMPT + tokens, 3)[0]
 
 
+@pytest.mark.slow  # SmolLM2 and a second copy of it; the tiny-model tests here run speculative by default
 def test_confidence_threshold_drafts_less_and_stays_lossless(smollm):
     model, tokenizer = smollm
     prompt = [{"role": "user", "content": "List three uses of Python dictionaries."}]

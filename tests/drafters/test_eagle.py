@@ -27,10 +27,10 @@ def trained_head(model, windows, folder, steps=80):
 
 
 @pytest.fixture(scope="module")
-def head_folder(tiny_target, tokenizer, tmp_path_factory):
+def head_folder(tiny_target, tokenizer, tmp_path_factory, own_continuations):
     """Trained on the tiny target's greedy continuations of variants of PROMPT."""
-    texts = [tokenizer.decode(PROMPT + accelgen.generate(tiny_target, tokenizer, [start] + PROMPT[1:],
-                                                         max_new_tokens=50).token_ids) for start in range(5, 21)]
+    texts = [tokenizer.decode(PROMPT + tokens) for tokens in
+             own_continuations(tiny_target, tokenizer, [[start] + PROMPT[1:] for start in range(5, 21)], 50)]
     windows = packed_windows(tokenizer, texts, seq_len=56, count=16)
     return trained_head(tiny_target, windows, tmp_path_factory.mktemp("eagle"))
 
@@ -71,6 +71,7 @@ def test_a_stop_string_inside_a_draft(tiny_target, tokenizer, head_folder):
     assert (result.text, result.finish_reason) == (expected.text, "stop")
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path):
     new_head(sampling_model).save(tmp_path)  # untrained: it guesses the previous position's distribution
     assert_samples_target("eagle", [1, 4, 6], heads=str(tmp_path), width=2, depth=2, max_nodes=4)
@@ -144,10 +145,10 @@ def four_layers(make_tiny_model):
 
 
 @pytest.fixture(scope="module")
-def eagle3_folder(four_layers, tokenizer, tmp_path_factory):
+def eagle3_folder(four_layers, tokenizer, tmp_path_factory, own_continuations):
     """Trained on the 4-layer tiny model's greedy continuations of variants of PROMPT."""
-    texts = [tokenizer.decode(PROMPT + accelgen.generate(four_layers, tokenizer, [start] + PROMPT[1:],
-                                                         max_new_tokens=50).token_ids) for start in range(5, 21)]
+    texts = [tokenizer.decode(PROMPT + tokens) for tokens in
+             own_continuations(four_layers, tokenizer, [[start] + PROMPT[1:] for start in range(5, 21)], 50)]
     windows = packed_windows(tokenizer, texts, seq_len=56, count=16)
     return trained_eagle3_head(four_layers, windows, tmp_path_factory.mktemp("eagle3"))
 
@@ -192,6 +193,7 @@ def test_eagle3_stops_at_eos_inside_a_draft(four_layers, tokenizer, eagle3_folde
     assert result.token_ids == expected.token_ids and result.finish_reason == expected.finish_reason == "stop"
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_with_an_eagle3_head_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path):
     new_eagle3_head(sampling_model).save(tmp_path)  # untrained: the logit lens at the model's last layer input
     assert_samples_target("eagle", [1, 4, 6], heads=str(tmp_path), width=2, depth=2, max_nodes=4)
@@ -220,7 +222,7 @@ def test_an_eagle3_head_reads_layers_not_final_features(four_layers, tokenizer, 
     sequence = accelgen.generate(four_layers, tokenizer, PROMPT, method="eagle", max_new_tokens=5,
                                  heads=eagle3_folder)
     assert sequence.stats["target_forwards"] >= 1
-    from accelgen.generate import Sequence
+    from accelgen.loop import Sequence
 
     started = Sequence.start(four_layers, tokenizer, PROMPT, method="eagle", heads=eagle3_folder)
     assert started.target.keep_layers == (1, 2, 3) and not started.target.keep_hidden

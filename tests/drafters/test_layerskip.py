@@ -29,7 +29,7 @@ def idle_top(make_tiny_model):
 
 def test_smollm_early_exit_drafts_are_lossless(smollm, copy_prompt, assert_lossless):
     model, tokenizer = smollm
-    result = assert_lossless(model, tokenizer, copy_prompt, "layerskip", 24, exit_layer=19)
+    result = assert_lossless(model, tokenizer, copy_prompt, "layerskip", 24, draft_budget="method", exit_layer=19)
     assert 0 < result.stats["acceptance_rate"] < 1
 
 
@@ -66,6 +66,7 @@ def test_eos_inside_an_accepted_draft(idle_top, tokenizer, greedy):
     assert result.token_ids == tokens[: position + 1] and result.finish_reason == "stop"
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target):
     assert_samples_target("layerskip", [1, 3, 4], exit_layer=0)
 

@@ -95,5 +95,6 @@ def test_retrieval_augmented_copy_on_smollm(smollm, copy_prompt, code, assert_lo
     assert result.stats["mean_accepted_tokens"] > 1.5
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target):
     assert_samples_target("llma", [1, 3, 4], references=[[3, 4, 5, 6, 1, 3, 4, 7], [4, 4, 4]], branches=2)

@@ -122,6 +122,7 @@ def test_copy_task_on_smollm(smollm, copy_prompt, assert_lossless):
     assert result.stats["mean_accepted_tokens"] > 1.5
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target):
     assert_samples_target("lookahead-decoding", [1, 3, 4, 5, 3, 4, 6, 3, 4], window_size=2, ngram_size=3)
 

@@ -189,5 +189,6 @@ def test_copy_task_on_smollm(smollm, copy_prompt, assert_lossless):
     assert result.stats["draft_tokens"] > result.stats["accepted_draft_tokens"]
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target):
     assert_samples_target("trie-lookahead", [1, 3, 4, 5, 3, 4, 6, 3, 4, 5, 7, 4])

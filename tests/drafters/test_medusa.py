@@ -66,6 +66,7 @@ def test_bad_input_is_named(tiny_target, tokenizer, heads_folder, options, probl
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="medusa", **options)
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 @pytest.mark.parametrize("method, options", [("medusa", {"paths": [[0], [1], [0, 0]]}),
                                              ("medusa", {"width": 2, "max_nodes": 4}), ("blockwise", {})])
 def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path, method, options):

@@ -68,6 +68,7 @@ def test_a_stop_string_inside_a_draft(cycling_model, tokenizer, cycle_prompt, gr
     assert (result.text, result.finish_reason) == (expected.text, "stop")
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_target, tmp_path):
     folder = saved(new_embeddings(sampling_model, 2), tmp_path)
     assert_samples_target("pass", [1, 4, 6], heads=folder)
@@ -75,7 +76,7 @@ def test_sampling_keeps_the_target_distribution(sampling_model, assert_samples_t
 
 def test_the_drafting_forward_leaves_the_cache_as_it_was(tiny_target, tmp_path):
     from accelgen.drafters.pass_embeddings import PassDrafter
-    from accelgen.generate import draft_with_target
+    from accelgen.loop import draft_with_target
     from accelgen.sampling import SamplingConfig
 
     runner = ModelRunner(tiny_target)

@@ -114,6 +114,7 @@ def test_copy_task_on_smollm_is_lossless_with_trees(smollm, copy_prompt, assert_
     assert 0 < result.stats["acceptance_rate"] < 1  # partial acceptance along the way
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target):
     assert_samples_target("pld", [1, 3, 4, 5, 3, 4, 5, 3, 4, 6, 3, 4], branches=2)
 

@@ -209,6 +209,7 @@ def test_context_copies_the_prompt_without_a_corpus(smollm, copy_prompt, assert_
     assert result.stats["mean_accepted_tokens"] > 1.5
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target, tmp_path):
     write_datastore([[1, 3, 4, 5, 6], [3, 4, 7, 1], [3, 4, 5, 5], [4, 4, 4]], tmp_path, progress=False)
     assert_samples_target("rest", [1, 6, 3, 4], datastore=str(tmp_path), min_query=1)

@@ -36,17 +36,19 @@ def test_skipped_layers_change_the_draft_and_leave_their_cache_empty(tiny_target
 
 
 def test_lossless_with_partial_acceptance(tiny_target, tokenizer, assert_lossless):
-    result = assert_lossless(tiny_target, tokenizer, PROMPT, "self-speculative", 30, skip=SKIP_SECOND)
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "self-speculative", 30,
+                             draft_budget="method", skip=SKIP_SECOND)
     assert 0 < result.stats["acceptance_rate"] < 1
 
 
 def test_smollm_default_skip_is_lossless(smollm, assert_lossless):
     model, tokenizer = smollm
     chat = [{"role": "user", "content": "Write a Python function that returns the squares of a list."}]
-    result = assert_lossless(model, tokenizer, chat, "self-speculative", 24, skip="default")
+    result = assert_lossless(model, tokenizer, chat, "self-speculative", 24, draft_budget="method", skip="default")
     assert result.stats["mean_accepted_tokens"] > 1.0
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target):
     assert_samples_target("self-speculative", [1, 3, 4], skip=SKIP_SECOND)
 

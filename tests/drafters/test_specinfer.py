@@ -64,7 +64,8 @@ def test_paths_and_branching_give_the_same_tree(tiny_target, temperature):
 
 def test_paths_tree_is_lossless(tiny_target, tokenizer, assert_lossless):
     paths = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
-    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 30, draft_model=tiny_target, paths=paths)
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 30,
+                             draft_budget="method", draft_model=tiny_target, paths=paths)
     assert result.stats["accepted_per_step"][:3] == [4] * 3  # the top-1 path [0, 0, 0, 0] is always accepted
 
 
@@ -82,13 +83,15 @@ def test_dynamic_tree_keeps_the_most_probable_nodes(tiny_target):
 
 
 def test_self_draft_is_lossless_and_accepts_whole_paths(tiny_target, tokenizer, assert_lossless):
-    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 40, draft_model=tiny_target)
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 40,
+                             draft_budget="method", draft_model=tiny_target)
     # the top-1 path is in every tree; near max_new_tokens the node budget leaves only shallow trees
     assert result.stats["accepted_per_step"][:5] == [4] * 5
 
 
 def test_dynamic_self_draft_is_lossless(tiny_target, tokenizer, assert_lossless):
-    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 40, draft_model=tiny_target, dynamic=True)
+    result = assert_lossless(tiny_target, tokenizer, PROMPT, "specinfer", 40,
+                             draft_budget="method", draft_model=tiny_target, dynamic=True)
     # the random model's flat distributions let deep siblings outrank the top-1 path now and then
     assert result.stats["mean_accepted_tokens"] > 2.0
 
@@ -101,7 +104,8 @@ def test_random_draft_is_lossless(tiny_target, tiny_draft, tokenizer, assert_los
 @pytest.mark.parametrize("options", [{"branching": [3, 2, 1, 1]}, {"dynamic": True, "max_nodes": 12}])
 def test_smollm_shallow_draft_is_lossless_with_partial_acceptance(smollm, smollm_shallow, assert_lossless, options):
     model, tokenizer = smollm
-    result = assert_lossless(model, tokenizer, CHAT, "specinfer", 24, draft_model=smollm_shallow, **options)
+    result = assert_lossless(model, tokenizer, CHAT, "specinfer", 24,
+                             draft_budget="method", draft_model=smollm_shallow, **options)
     assert 0 < result.stats["acceptance_rate"] < 1 and result.stats["mean_accepted_tokens"] > 1.0
 
 
@@ -111,14 +115,16 @@ def test_width_one_tree_is_speculative_decoding(tiny_target, tiny_draft, tokeniz
     runs = [accelgen.generate(tiny_target, tokenizer, PROMPT, method=method, draft_model=draft, max_new_tokens=24,
                               temperature=temperature, seed=3, **options)
             for draft in (tiny_target, tiny_draft)
-            for method, options in [("specinfer", {"branching": [1] * 4}), ("speculative", {"gamma": 4})]]
+            for method, options in [("specinfer", {"branching": [1] * 4, "draft_budget": "method"}),
+                                    ("speculative", {"gamma": 4})]]
     for tree, chain in (runs[:2], runs[2:]):
         assert tree.token_ids == chain.token_ids
         assert tree.stats["accepted_per_step"] == chain.stats["accepted_per_step"]
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target, sampling_draft):
-    assert_samples_target("specinfer", [1, 3, 4], draft_model=sampling_draft, branching=[2, 2])
+    assert_samples_target("specinfer", [1, 3, 4], draft_budget="method", draft_model=sampling_draft, branching=[2, 2])
 
 
 def test_clear_errors(tiny_target, tokenizer):

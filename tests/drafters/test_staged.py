@@ -201,6 +201,7 @@ def test_draft_model_with_a_shorter_context(tiny_target, tokenizer, make_tiny_mo
     assert result.stats["accepted_draft_tokens"] > 0 and result.stats["draft_tokens"] < 12
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target, sampling_draft):
     # 3 new tokens leave room for 2 draft nodes: the draft model's token and one alternative, drawn i.i.d. from
     # q (drafting the top-2 instead fails this test); stage two's own sampling is tested above

@@ -6,7 +6,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.drafters.triforce import StreamingProposer, chunk_scores, retrieved_positions
-from accelgen.generate import Sequence, _steps
+from accelgen.loop import Sequence, _steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +57,8 @@ def test_random_small_model_is_lossless(tiny_target, tiny_draft, tokenizer, asse
 
 def test_smollm_with_partial_acceptance(smollm, smollm_26_layers, copy_prompt, assert_lossless):
     model, tokenizer = smollm
-    result = assert_lossless(model, tokenizer, copy_prompt, "triforce", 16, draft_model=smollm_26_layers,
+    result = assert_lossless(model, tokenizer, copy_prompt, "triforce", 16,
+                             draft_budget="method", draft_model=smollm_26_layers,
                              budget=32, chunk_size=8, window=32)
     assert result.stats["mean_accepted_tokens"] > 1.3
 
@@ -80,6 +81,7 @@ def test_streaming_proposer_is_the_small_models_greedy_chain_while_the_window_ho
     assert evicting.runner.length == 10 + (30 + 2 - 10)
 
 
+@pytest.mark.slow  # 1,500 sampled generations; this file's greedy tests run the method by default
 def test_sampling_keeps_the_target_distribution(assert_samples_target, sampling_draft):
     prompt = [(5 * i + 1) % 8 for i in range(40)]
     assert_samples_target("triforce", prompt, draft_model=sampling_draft, budget=8, chunk_size=4, window=8, gamma=2,

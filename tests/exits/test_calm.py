@@ -48,8 +48,8 @@ def test_lower_thresholds_exit_earlier(smollm, measure, thresholds):
     """From the same state, a lower threshold leaves at the same layer or earlier (over whole generations the
     contexts differ, so only the ends are fixed: all 30 layers at 1.0, the first exit, after layer 15, at 0)."""
     model, tokenizer = smollm
-    context = encode_prompt(tokenizer, CHAT) + accelgen.generate(model, tokenizer, CHAT, max_new_tokens=6).token_ids
-    for end in range(len(context) - 6, len(context)):
+    context = encode_prompt(tokenizer, CHAT) + accelgen.generate(model, tokenizer, CHAT, max_new_tokens=3).token_ids
+    for end in range(len(context) - 3, len(context)):  # three states, each rerunning the prompt through 30 layers
         prompt = EarlyExitRunner(model, make_rule(model, measure=measure, threshold=1.0, exit_layers=None))
         prompt.forward(torch.tensor(context[:end]))
         depths = []
@@ -59,7 +59,7 @@ def test_lower_thresholds_exit_earlier(smollm, measure, thresholds):
             runner.forward(torch.tensor([context[end]]))
             depths += runner.layers_used
         assert depths == sorted(depths, reverse=True) and depths[0] == 30 and depths[-1] == 16
-    layers = [accelgen.generate(model, tokenizer, CHAT, method="calm", max_new_tokens=20, measure=measure,
+    layers = [accelgen.generate(model, tokenizer, CHAT, method="calm", max_new_tokens=8, measure=measure,
                                 threshold=threshold).stats["mean_layers"] for threshold in (1.0, 0.0)]
     assert layers == [30, 16]
 

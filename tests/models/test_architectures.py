@@ -6,7 +6,7 @@ the feature it lacks. Sliding-window models come twice: with their default windo
 and with a window of a few positions, which every draft tree then crosses.
 
 `python tests/models/test_architectures.py` prints the table (architecture × method) as Markdown, as it
-appears in README.md and docs/architectures.md.
+appears in docs/architectures.md.
 """
 
 from __future__ import annotations
@@ -88,14 +88,14 @@ ARCHITECTURES = {
 METHODS = {
     "autoregressive": {},
     "speculative": {"gamma": 4},
-    "specinfer": {},
+    "specinfer": {"draft_budget": "method"},  # the method's whole tree: trees scored on every architecture
     "pld": {"draft_length": 4},
     "trie-lookahead": {"max_nodes": 8},
     "lookahead-decoding": {"max_nodes": 8},
     "jacobi": {},
     "medusa": {"paths": [[0], [1], [0, 0]]},
-    "self-speculative": {"skip": {"skip_attention": [1], "skip_mlp": [1]}},
-    "layerskip": {"exit_layer": 0},
+    "self-speculative": {"skip": {"skip_attention": [1], "skip_mlp": [1]}, "draft_budget": "method"},
+    "layerskip": {"exit_layer": 0, "draft_budget": "method"},
 }
 NEEDS_DRAFT_MODEL = ("speculative", "specinfer")
 ALWAYS_TREES = ("specinfer", "lookahead-decoding", "medusa")  # (trie-lookahead drafts a chain where its trie has one branch)

@@ -80,6 +80,19 @@ def test_blocks_of_several_tokens_go_through_every_layer(four_layers, assert_reo
     assert runner.layers_used == []
 
 
+def test_the_runner_keeps_the_base_interface(four_layers, assert_reordered):
+    """`batches` is a property as ModelRunner's (never true: decoding steps walk the layers themselves), and a token
+    with appended input embeddings (PaSS) is a block: every layer, as the plain runner gives it."""
+    runner, reference = EarlyExitRunner(four_layers, Rule(exit_after=0)), ModelRunner(four_layers)
+    assert isinstance(type(runner).__dict__["batches"], property) and runner.batches is False
+    runner.forward(torch.tensor(PROMPT))
+    reference.forward(torch.tensor(PROMPT))
+    appended = torch.randn(2, four_layers.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    token = torch.tensor([DECODED[0]])
+    assert_reordered(runner.forward(token, appended=appended), reference.forward(token, appended=appended))
+    assert runner.layers_used == [] and runner.length == reference.length == len(PROMPT) + 3
+
+
 def test_recomputation_leaves_the_full_models_cache(four_layers, assert_reordered):
     """EE-LLM: a token that exits gets its upper layers computed in the next step, from its own state, so the
     cache ends up exactly the full model's, while each prediction still comes from the exit layer."""

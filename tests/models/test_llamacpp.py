@@ -10,7 +10,8 @@ import accelgen
 
 pytest.importorskip("xllamacpp", reason="the llama.cpp engine needs `pip install 'accelgen[llamacpp]'`")
 
-from accelgen.models.llamacpp import LlamaCppModel, _chunks  # noqa: E402
+from accelgen.models import llamacpp  # noqa: E402
+from accelgen.models.llamacpp import LlamaCppError, LlamaCppModel, _chunks  # noqa: E402
 from accelgen.models.loading import gguf_file  # noqa: E402
 
 PROMPTS = [
@@ -48,6 +49,53 @@ def assert_same_or_near_tie(model, tokenizer, prompt, tokens, baseline):
 def test_chunks_cover_a_long_prompt_with_the_last_chunk_full():
     assert _chunks(5, 512) == [(0, 5)]
     assert _chunks(1100, 512) == [(0, 76), (76, 588), (588, 1100)]
+
+
+def test_the_installed_wheel_is_in_the_supported_range_the_extra_names():
+    """The llamacpp extra asks for exactly the wheels whose llama.cpp builds the engine declares, and the installed
+    one is among them (its structs pass the defaults check when the library loads)."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    extra = [Requirement(text) for text in pyproject["project"]["optional-dependencies"]["llamacpp"]]
+    wheel = next(requirement for requirement in extra if requirement.name == "xllamacpp")
+    assert str(wheel.specifier) == str(Requirement(f"xllamacpp{llamacpp.XLLAMACPP_REQUIREMENT}").specifier)
+    installed = llamacpp.installed_xllamacpp_version()
+    assert wheel.specifier.contains(installed) and llamacpp.llama_build(installed) in llamacpp.LLAMA_BUILDS
+    assert llamacpp.library() is not None
+
+
+@pytest.mark.parametrize("version", ["2026.11.11800", "2026.9.11063", "0.2.14"])
+def test_another_wheel_version_is_refused_by_name(monkeypatch, version):
+    monkeypatch.setattr(llamacpp, "_library", None)  # (restored afterwards: the loaded library stays for the rest)
+    monkeypatch.setattr(llamacpp, "installed_xllamacpp_version", lambda: version)
+    with pytest.raises(LlamaCppError, match=rf"xllamacpp {version} is installed.*"
+                                            rf"xllamacpp>=2026\.10\.11549,<2026\.10\.11550.*b11549"):
+        LlamaCppModel(gguf_file("smollm2-135m"))
+    assert llamacpp._library is None
+
+
+def test_a_missing_wheel_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(llamacpp, "_library", None)
+    monkeypatch.setattr(llamacpp, "installed_xllamacpp_version", lambda: None)
+    with pytest.raises(LlamaCppError, match=r"needs the xllamacpp package: pip install 'accelgen\[llamacpp\]'"):
+        llamacpp.library()
+
+
+def test_a_library_whose_defaults_differ_from_the_declared_structs_is_refused(monkeypatch):
+    """The version check's second guard: a build laid out otherwise (here: declared defaults it does not have)."""
+    monkeypatch.setattr(llamacpp, "_library", None)
+    monkeypatch.setitem(llamacpp.CONTEXT_DEFAULTS, "n_batch", 4096)
+    with pytest.raises(LlamaCppError, match=r"returns \{'n_batch': 2048\}, not the defaults of llama.cpp b11549"):
+        llamacpp.library()
+
+
+def test_wheel_versions_name_their_llama_cpp_build():
+    assert llamacpp.llama_build("2026.10.11549") == 11549 and llamacpp.llama_build("2026.10.11549.1") == 11549
+    assert llamacpp.llama_build("0.2.14") is None
 
 
 def test_runner_rolls_back_and_matches_a_fresh_forward(gguf_model):
@@ -90,7 +138,8 @@ def test_tree_siblings_do_not_see_each_other(gguf_model):
 
 @pytest.mark.parametrize("method", ["speculative", "pld", "trie-lookahead", "lookahead-decoding"])
 def test_methods_match_autoregressive_on_the_same_engine(gguf_model, tokenizer, baselines, method):
-    draft = {"draft_model": gguf_model} if method == "speculative" else {}
+    # a fixed draft length: by default the measured costs cap drafts, and drafting with the target itself never pays
+    draft = {"draft_model": gguf_model, "gamma": 4} if method == "speculative" else {}
     for prompt, baseline in zip(PROMPTS, baselines):
         result = accelgen.generate(gguf_model, tokenizer, prompt, method=method, max_new_tokens=40, **draft)
         assert_same_or_near_tie(gguf_model, tokenizer, prompt, result.token_ids, baseline)
@@ -129,7 +178,7 @@ def test_clear_errors_for_what_the_engine_cannot_do(gguf_model, tokenizer, tmp_p
 def test_server_engine_batches_llamacpp_sequences(gguf_model, tokenizer, baselines):
     """The server's engine runs requests on the llama.cpp engine side by side (each its own context), each
     getting what it gets alone."""
-    from accelgen.generate import GenerationResult, Sequence
+    from accelgen.loop import GenerationResult, Sequence
     from accelgen.server.engine import Engine, Request
 
     engine = Engine(max_batch=4)

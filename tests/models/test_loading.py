@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.models import formats, loading, probe
+from accelgen.models import checkpoints, formats, probe
 from accelgen.models.loading import load_model, resolve_device
 
 PROMPT = [5, 17, 923, 4410, 77, 12, 5, 17, 923]
@@ -92,7 +92,7 @@ def test_load_model_on_the_cpu_explicitly(tiny_folder, tokenizer):
 
 def test_a_device_that_is_not_there_is_refused_before_loading(tiny_folder, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(loading, "prepare_embedded", lambda name: pytest.fail("converted a model"))
+    monkeypatch.setattr(checkpoints, "prepare_embedded", lambda name: pytest.fail("converted a model"))
     with pytest.raises(ValueError, match="device 'cuda' asked for, but torch sees no CUDA device"):
         load_model("smollm2-135m", device="cuda")
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
@@ -166,3 +166,47 @@ def test_auto_on_cuda_picks_bf16_and_says_so(tiny_folder, monkeypatch, capsys):
     model, _ = load_model(str(tiny_folder), weights="auto", device="cuda")
     assert model.dtype == torch.bfloat16 and model.device.type == "cuda"
     assert "weights=auto on cuda:" in capsys.readouterr().err
+
+
+# --- the default format of an embedded model (neither weights nor dtype given) ---------------------------------
+
+
+def loaded_format(model) -> str:
+    from accelgen.costs import model_format
+
+    return model_format(model)
+
+
+@pytest.mark.skipif("gguf" not in probe.available_candidates("smollm2-135m"), reason="needs xllamacpp")
+def test_an_embedded_model_loads_as_shipped_before_any_probe_and_says_why(smollm, monkeypatch, capsys):
+    monkeypatch.setattr(probe, "cached_choice", lambda name, threads=None: None)  # this machine never probed
+    model, _ = load_model("smollm2-135m")
+    assert loaded_format(model) == "gguf"
+    said = capsys.readouterr().err
+    assert "smollm2-135m loads as weights=gguf: its GGUF file as shipped" in said and "--weights" in said
+
+
+def test_an_embedded_model_loads_in_the_format_measured_fastest(smollm, monkeypatch, capsys):
+    measured = {"weights": "fp32", "reason": "most tokens/s by 1 / t(1) on this machine: fp32 9.0 tok/s"}
+    monkeypatch.setattr(probe, "cached_choice", lambda name, threads=None: measured)
+    model, _ = load_model("smollm2-135m")
+    assert model.dtype == torch.float32
+    assert "loads as weights=fp32: the fastest format measured on this machine (most tokens/s" in capsys.readouterr().err
+
+
+def test_explicit_weights_or_dtype_win_and_other_models_keep_their_dtype(smollm, tiny_folder, monkeypatch, capsys):
+    monkeypatch.setattr(probe, "cached_choice", lambda name, threads=None: pytest.fail("chose a default format"))
+    assert load_model("smollm2-135m", weights="bf16")[0].dtype == torch.bfloat16
+    assert load_model("smollm2-135m", dtype="float32")[0].dtype == torch.float32
+    assert load_model(str(tiny_folder))[0].dtype == torch.float32  # a checkpoint of the user's: its own dtype
+    assert "loads as weights=" not in capsys.readouterr().err
+
+
+def test_default_weights_only_for_embedded_models_on_the_cpu():
+    from accelgen.models.loading import default_weights, pytorch_weights
+
+    assert default_weights("some/hub-model", torch.device("cpu"), None) is None
+    assert default_weights("smollm2-135m", torch.device("cuda"), None) is None  # a GPU: bf16, as before
+    assert pytorch_weights("smollm2-135m", None) == "bf16"  # training and layer walks need a PyTorch model
+    assert pytorch_weights("smollm2-135m", None, "float32") is None  # the dtype decides
+    assert pytorch_weights("smollm2-135m", "int8") == "int8" and pytorch_weights("some/hub-model", None) is None

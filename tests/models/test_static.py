@@ -63,7 +63,7 @@ def test_generation_is_token_identical_to_the_dynamic_cache(tiny_target, tokeniz
 def test_a_random_draft_rejected_every_step_changes_nothing(tiny_target, make_tiny_model, tokenizer, greedy):
     other = make_tiny_model("llama", seed=1)
     result = accelgen.generate(tiny_target, tokenizer, PROMPT, method="specinfer", draft_model=other,
-                               max_new_tokens=30, cache="static")
+                               max_new_tokens=30, cache="static", draft_budget="method")
     assert result.token_ids == greedy(tiny_target, tokenizer, PROMPT, 30).token_ids
     assert result.stats["accepted_draft_tokens"] < result.stats["draft_tokens"]
 

@@ -330,8 +330,8 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_under_load(client, met
     loaded = replies[3]
     assert loaded["choices"][0]["text"] == alone["choices"][0]["text"]
     assert loaded["choices"][0]["logprobs"]["tokens"] == alone["choices"][0]["logprobs"]["tokens"]
-    if method == "speculative":  # shorter drafts under load: more target forwards for the same tokens
-        assert loaded["accelgen"]["target_forwards"] > alone["accelgen"]["target_forwards"]
+    # a seeded request runs as if it were alone: the same drafts, so the same target forwards
+    assert loaded["accelgen"]["target_forwards"] == alone["accelgen"]["target_forwards"]
 
 
 def test_health_says_why_it_is_not_ready_yet(tiny_target, tokenizer, make_server_config):

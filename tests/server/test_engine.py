@@ -4,7 +4,7 @@ import pytest
 
 import accelgen
 from accelgen import hardware
-from accelgen.generate import Chunk, GenerationResult, Sequence
+from accelgen.loop import Chunk, GenerationResult, Sequence
 from accelgen.server import engine as engine_module
 from accelgen.server.engine import Engine, Request
 from accelgen.server.speculation import ForwardCosts, Goodput, TokenBudget

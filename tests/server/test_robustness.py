@@ -18,10 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from accelgen.cli import app as cli_app
-from accelgen.server.app import MAX_STOP_CHARS, create_app
+from accelgen.server.app import create_app
 from accelgen.cli.loadtest import started_server
 from accelgen.server.engine import Engine
 from accelgen.server.metrics import Metrics
+from accelgen.server.schemas import MAX_STOP_CHARS
 
 PROMPT = "def fibonacci(n):"
 

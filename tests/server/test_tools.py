@@ -8,9 +8,11 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from accelgen.generate import GenerationResult
-from accelgen.server.app import Reply, Shape, create_app
+from accelgen.loop import GenerationResult
+from accelgen.server.app import create_app
 from accelgen.server.engine import Engine
+from accelgen.server.openai_format import Reply
+from accelgen.server.schemas import Shape
 from accelgen.server.tools import (NamedToolChoice, Tool, call_constraint, call_schema, chosen_tools, parse_tool_call,
                                    render_tool_prompt)
 

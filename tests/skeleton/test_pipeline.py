@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 import accelgen
 from accelgen.cli import app
-from accelgen.generate import GenerationResult
+from accelgen.loop import GenerationResult
 from accelgen.skeleton import SkeletonRouter, generate, pipeline
 from accelgen.skeleton.evaluation import summaries
 from accelgen.skeleton.prompts import point_prompt_ids

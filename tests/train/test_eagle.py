@@ -8,7 +8,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import accelgen
 from accelgen.cli import app
 from accelgen.heads.eagle import new_head
 from accelgen.train import eagle
@@ -20,14 +19,15 @@ SMALL = dict(batch_size=4, learning_rate=1e-2, ce_weight=1.0, noise=0.0, draft_v
 
 
 @pytest.fixture(scope="module")
-def data(tiny_target, tokenizer):
+def data(tiny_target, tokenizer, own_continuations):
     """(windows, features, choices) of the tiny target's own greedy text: 12 windows of 32 tokens."""
-    texts = [tokenizer.decode(accelgen.generate(tiny_target, tokenizer, [start, 17, 923], max_new_tokens=40).token_ids)
-             for start in range(5, 17)]
+    texts = [tokenizer.decode(tokens) for tokens in
+             own_continuations(tiny_target, tokenizer, [[start, 17, 923] for start in range(5, 17)], 40)]
     windows = packed_windows(tokenizer, texts, seq_len=32, count=12)
     return (windows, *collect_features(tiny_target, windows))
 
 
+@pytest.mark.slow  # SmolLM2 features and 25 steps; the tiny-model tests here train EAGLE heads by default
 def test_training_beats_the_untrained_head_on_held_out_windows(smollm):
     """SmolLM2 on ShareGPT text: a few seconds of training make the head's guesses of the model's next choice on
     windows it never saw better than the untrained head's."""
@@ -129,11 +129,12 @@ def test_the_unrolled_loss_matches_a_hand_computed_two_step_loss(four_layers):
     assert torch.allclose(loss.detach(), expected, atol=1e-5), (float(loss), float(expected))
 
 
-def test_eagle3_training_learns_the_targets_choices_at_every_unrolled_depth(four_layers, tokenizer):
+def test_eagle3_training_learns_the_targets_choices_at_every_unrolled_depth(four_layers, tokenizer,
+                                                                          own_continuations):
     model = four_layers
     prompt = [5, 17, 923, 4410, 77, 12]
-    texts = [tokenizer.decode(prompt + accelgen.generate(model, tokenizer, [start] + prompt[1:],
-                                                         max_new_tokens=40).token_ids) for start in range(5, 17)]
+    texts = [tokenizer.decode(prompt + tokens) for tokens in
+             own_continuations(model, tokenizer, [[start] + prompt[1:] for start in range(5, 17)], 40)]
     windows = packed_windows(tokenizer, texts, seq_len=32, count=12)
     states, choices = collect_layer_states(model, windows, target_layers_for(model))
     config = EagleConfig(steps=30, batch_size=8, learning_rate=1e-2, draft_vocab=2048, recipe="eagle3", ttt_steps=3)

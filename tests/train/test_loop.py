@@ -138,6 +138,7 @@ def test_two_processes_over_gloo_train_what_one_process_trains(tiny_folder):
     assert json.loads((tiny_folder / "two" / "evaluation.json").read_text())["processes"] == 2
 
 
+@pytest.mark.slow  # two gloo processes, then a third; the test above trains over gloo by default
 def test_a_checkpoint_of_two_processes_resumes_in_one(tiny_folder):
     train_medusa(tiny_folder, "resumed", steps=3, processes=2)
     assert_same_heads(train_medusa(tiny_folder, "resumed", steps=6), train_medusa(tiny_folder, "unbroken", steps=6))

@@ -22,7 +22,7 @@ def stops_at_weight(draft: Draft, target_probs, generator) -> Verdict:
     return Verdict(accepted, sample(target_probs[len(accepted)], generator))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # another seed: slow set
 def test_block_verification_reproduces_the_target(synthetic, seed):
     counts, exact = synthetic.first_two_tokens(verify_block, [1, 1], synthetic.draw_with_replacement, seed=seed,
                                                draws=DRAWS)
@@ -47,6 +47,7 @@ def mean_accepted(rule, draft_probs: torch.Tensor, target_probs: torch.Tensor, g
     return total / draws
 
 
+@pytest.mark.slow  # 40,000 verifications; the tests above check block verification's law by default
 def test_the_papers_example_accepts_more_than_token_wise():
     """Binary vocabulary, target (1/3, 2/3), draft (2/3, 1/3), two draft tokens: token-wise verification
     accepts 10/9 tokens on average, block verification 11/9 (Sun et al. 2024, section 1)."""
@@ -57,7 +58,7 @@ def test_the_papers_example_accepts_more_than_token_wise():
     assert abs(token_wise - 10 / 9) < noise and abs(block - 11 / 9) < noise
 
 
-@pytest.mark.parametrize("seed", [3, 4, 5])
+@pytest.mark.parametrize("seed", [3, pytest.param(4, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow)])
 def test_block_never_accepts_fewer_than_token_wise(synthetic, seed):
     tables = torch.Generator().manual_seed(seed)
     draft_probs, target_probs = synthetic.random_distribution(tables, 2)

@@ -141,6 +141,7 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     held-out ones first)."""
     from accelgen.cli.datastore import dataset_texts
     from accelgen.models import load_model
+    from accelgen.models.loading import pytorch_weights
     from accelgen.train.layerskip import packed_windows
 
     if weights not in (None, "fp32", "bf16", "int8", "int4"):
@@ -150,7 +151,8 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     if dataset.startswith("regenerated:"):
         note_regenerated_by(dataset.removeprefix("regenerated:"), model)
     with console.status(f"loading {model}{f' ({weights})' if weights else ''} …"):
-        target_model, tokenizer = load_model(model, dtype=dtype, weights=weights, device=str(training_device()))
+        target_model, tokenizer = load_model(model, dtype=dtype, weights=pytorch_weights(model, weights, dtype),
+                                             device=str(training_device()))
     with console.status("tokenizing …"):
         data = packed_windows(tokenizer, texts, seq_len, windows + held_out)
     if len(data) <= held_out:
@@ -273,12 +275,14 @@ def target_and_trainable_draft(model: str, draft: str, dtype: str | None, thread
     """The target (in dtype) and the draft model on `device` (None: the training device), the draft in float32 to
     train; (target, tokenizer, draft, the draft's tokenizer, the dtype to save the draft in)."""
     from accelgen.models import load_model
+    from accelgen.models.loading import pytorch_weights
 
     set_threads(threads)
     device = device or str(training_device())
     with console.status(f"loading {model} and {draft} on {device} …"):
-        target_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        draft_model, draft_tokenizer = load_model(draft, device=device)
+        target_model, tokenizer = load_model(model, dtype=dtype, weights=pytorch_weights(model, None, dtype),
+                                             device=device)
+        draft_model, draft_tokenizer = load_model(draft, weights=pytorch_weights(draft, None), device=device)
     saved_dtype = draft_model.dtype  # the trained draft is saved as the original was
     draft_model.float()  # it trains in place: float32 keeps small updates
     return target_model, tokenizer, draft_model, draft_tokenizer, saved_dtype

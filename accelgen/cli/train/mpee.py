@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from accelgen.cli.common import FILE_ERRORS, console, reported_errors
+from accelgen.cli.common import FILE_ERRORS, console, reported_errors, table_console
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import WindowsRun, hidden_states_for, out_flag, progress_bar, save_evaluation
 from accelgen.train.loop import ScaleOut, is_main_process
@@ -46,11 +46,11 @@ def mpee(run: MpeeRun, scale: ScaleOut) -> None:
     for row in evaluation["exits"]:
         table.add_row(str(row["layer"]), f"{row['plain_agreement']:.1%}", f"{row['trained_agreement']:.1%}",
                       f"{row['classifier_accuracy']:.1%}")
-    console.print(table)
+    table_console().print(table)
     table = Table("threshold", "mean layers", "agrees with last")
     for row in evaluation["thresholds"]:
         table.add_row(f"{row['threshold']:g}", f"{row['mean_layers']:.1f}", f"{row['agreement']:.1%}")
-    console.print(table)
+    table_console().print(table)
     save_evaluation(run, config, times, evaluation)
     console.print(f"MPEE heads for exits {chosen} → {run.out} (trained in {times['seconds']:.0f} s); use: "
                   f"--method mpee -o heads={run.out} [-o threshold=0.9] [-o keep_ratio=0.5]")

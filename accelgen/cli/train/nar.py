@@ -41,7 +41,7 @@ def train_nar(run: NARRun, settings: TrainSettings, scale: ScaleOut) -> None:
     from accelgen.cli.nar import parse_options
     from accelgen.cli.train.common import progress_bar
     from accelgen.nar.backbone import BackboneConfig
-    from accelgen.nar.methods import nar_method, new_model, save_trained
+    from accelgen.nar.catalog import nar_method, new_model, save_trained
     from accelgen.nar.task import load_task
     from accelgen.nar.train import train_model
 

@@ -67,6 +67,7 @@ def sot_router(run: SotRouterRun, config: RouterConfig, scale: ScaleOut) -> None
 
     from accelgen.skeleton.router import (SkeletonRouter, held_out_split, question_features, router_accuracy,
                                           train_router)
+    from accelgen.models.loading import pytorch_weights
 
     set_threads(run.threads)
     with reported_errors(FILE_ERRORS):
@@ -75,7 +76,7 @@ def sot_router(run: SotRouterRun, config: RouterConfig, scale: ScaleOut) -> None
         with main_process_first():  # the first labels and caches them, the others read the cache
             labels = torch.tensor(labelled(run, questions))
         labelling = time.perf_counter() - started
-        model, tokenizer = load_with_progress(run.model, None, run.weights, run.device)
+        model, tokenizer = load_with_progress(run.model, None, pytorch_weights(run.model, run.weights), run.device)
         with progress_bar(len(questions), f"features by {run.model}") as show:
             features = question_features(model, tokenizer, questions, lambda done: show({"step": done}, ""))
         training, held = held_out_split(len(questions), config.held_out, config.seed)

@@ -27,7 +27,7 @@ class NARMethod:
         return getattr(importlib.import_module(f"accelgen.nar.{self.module}"), self.model_class)
 
 
-METHODS = {method.name: method for method in (
+NAR_METHODS = {method.name: method for method in (
     NARMethod("ar", "ar", "ARStudent", "Vaswani et al. 2017 (the AR student)", "one pass per token"),
     NARMethod("nat", "nat", "NATModel", "Gu et al. 2018, Non-Autoregressive Neural Machine Translation",
               "one pass (noisy parallel decoding: one pass over all candidates + one teacher pass)"),
@@ -54,16 +54,16 @@ METHODS = {method.name: method for method in (
 
 def nar_method(name: str) -> NARMethod:
     """The method called name; a ValueError listing the methods for any other name."""
-    if name not in METHODS:
-        raise ValueError(f"unknown NAR method {name!r}; choose one of {', '.join(METHODS)}")
-    return METHODS[name]
+    if name not in NAR_METHODS:
+        raise ValueError(f"unknown NAR method {name!r}; choose one of {', '.join(NAR_METHODS)}")
+    return NAR_METHODS[name]
 
 
 def load_nar_model(folder: Path) -> MethodModel:
     """The model saved in folder, whatever its method (config.json names it), in eval mode; a ValueError naming
     the problem for a folder of anything else."""
     saved_method = read_saved_config(folder).get("method")
-    for method in METHODS.values():
+    for method in NAR_METHODS.values():
         model_class = method.load_class()
         if model_class.method == saved_method:
             return model_class.load(folder)

@@ -18,10 +18,10 @@ from typing import Iterator
 
 import torch
 
-from accelgen.costs import budgeted
 from accelgen.draft import Draft, keep_accepted, tree_attention
 from accelgen.drafters.base import BuildContext
-from accelgen.hf import Settings, generation_settings
+from accelgen.drafters.budget import budgeted
+from accelgen.settings import Settings, generation_settings
 from accelgen.models.batch import batched_forward, forward_alone, forward_together
 from accelgen.models.engines import runner_for
 from accelgen.models.runner import ModelRunner
@@ -36,8 +36,12 @@ from accelgen.verify import default_verifier, verify_gumbel
 
 # "method": drafts as long as the method's options say; "measured": capped each step at the length the measured
 # costs (accelgen/costs.py) predict fastest, down to none, so that speculation never loses to plain decoding
-# (drafters that already follow the measured costs, e.g. gamma_schedule="cost" or max_nodes="auto", keep theirs)
-DRAFT_BUDGETS = ("method", "measured")
+# (drafters that already follow the measured costs, e.g. gamma_schedule="cost" or max_nodes="auto", keep theirs);
+# "auto": the method's own default (`MethodSpec.draft_budget`), "method" where the request fixes the draft length
+DRAFT_BUDGETS = ("auto", "method", "measured")
+# options that, set in a request to other than their defaults (gamma=4, gamma_schedule="heuristic"), fix its draft
+# length: draft_budget="auto" then keeps the method's lengths
+FIXED_LENGTH_OPTIONS = ("gamma", "gamma_schedule")
 # the types generate()'s own arguments take (float: a finite number, an int too), checked as method options are
 ARGUMENT_TYPES = {"max_new_tokens": (int,), "temperature": (float,), "top_k": (int,), "top_p": (float,),
                   "seed": (int, type(None))}
@@ -161,7 +165,7 @@ def generate(
     settings = generation_settings(model, generation_config, dict(
         method=method, draft_model=draft_model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, stop=stop, **options))
-    pad_token_id = settings.pad_token_id if settings.pad_token_id is not None else tokenizer.pad_token_id
+    pad_token_id = settings.pad_token_id if settings.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
     eos = set(settings.eos_token_ids) if settings.eos_token_ids is not None else eos_token_ids(model, tokenizer)
     prompts, several = prompt_rows(prompt, attention_mask, pad_token_id, eos)
     if several and (stream or streamer is not None):
@@ -280,6 +284,10 @@ class Sequence:
     sequences by the server), then `commit` (verify, roll the cache back to the accepted path, emit tokens).
     """
 
+    # given a seed: its draft lengths follow no clock, and the server runs its forwards as if it were alone
+    # (server/engine.py), so that its tokens do not depend on timings or on other requests
+    seeded = False
+
     def __init__(self, target: ModelRunner, drafter, verify, prompt_ids: list[int], output: Output, generator, *,
                  sampling: SamplingConfig | None = None, per_position: bool = False, logprobs: int | None = None,
                  output_scores: bool = False):
@@ -322,40 +330,18 @@ class Sequence:
         min_new_tokens bans them and the grammar of response_format ends with them. cache: the target's KV cache,
         "auto" (static with CUDA graphs on a GPU, else dynamic), "static" or "dynamic" (models/engines.py)."""
         spec = get_method(method)
-        draft_budget = method_options.pop("draft_budget", "method")
-        if draft_budget not in DRAFT_BUDGETS:
-            raise ValueError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
+        draft_budget = chosen_draft_budget(spec, method_options.pop("draft_budget", "auto"), method_options)
         options = spec.check_options(method_options)
         spec.check_needs(draft_model=draft_model)
         drafting, verifying, running = spec.split_options(options)
-        arguments = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        for name, value in arguments.items():
-            check_option(name, value, ARGUMENT_TYPES[name])
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = SamplingConfig(temperature, top_k, top_p)
-        if not sampling.greedy and not spec.can_sample:
-            raise ValueError(f"method {method!r} supports greedy decoding only (temperature 0)")
-        # on the model's device: its samplers draw there (torch refuses a CPU generator for CUDA probabilities)
-        generator = torch.Generator(getattr(model, "device", "cpu"))
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        sampling = checked_sampling(spec, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, seed=seed)
+        check_recording(logprobs, output_scores)
+        stop = stop_strings(stop)
+        generator = seeded_generator(model, seed)
         prompt_ids = encode_prompt(tokenizer, prompt)
-        if spec.runner and not isinstance(model, torch.nn.Module):
-            raise ValueError(f"method {method!r} runs the model's layers itself and needs a PyTorch model; load it "
-                             "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
-        if spec.runner and cache == "static":
-            raise ValueError(f"method {method!r} keeps the KV cache its own way; it cannot take cache='static'")
-        target = spec.runner.make(model, running) if spec.runner else runner_for(model, cache)
-        target.keep_hidden = spec.reads_target_hidden
-        if len(prompt_ids) >= target.max_positions:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
-        outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
-        if outside:
-            raise ValueError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{target.vocab_size - 1})")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0 (how many top alternatives), got {logprobs!r}")
-        if not isinstance(output_scores, bool):
-            raise ValueError(f"output_scores must be true or false, got {output_scores!r}")
+        target = target_runner(spec, model, running, cache)
+        check_prompt(prompt_ids, target)
         eos = set(eos_ids) if eos_ids is not None else eos_token_ids(model, tokenizer)
         constraint = grammar_constraint(response_format, tokenizer, target.vocab_size, eos, len(prompt_ids))
         processors = build_pipeline(
@@ -364,23 +350,19 @@ class Sequence:
             frequency_penalty=frequency_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, logits_processors=logits_processors,
             constraint=constraint)
-        # seeded sampling with a lossless method: per-position noise, so the tokens do not depend on the drafts
-        per_position = seed is not None and not sampling.greedy and spec.lossless == "distribution-exact"
-        noise = PositionNoise(seed, target.vocab_size) if per_position else None
+        noise = position_noise(spec, sampling, seed, target.vocab_size)
+        per_position = noise is not None
         sampling = dataclasses.replace(sampling, processors=processors, noise=noise)
         verify = spec.verifier.make(sampling, verifying) if spec.verifier else default_verifier(sampling)
         build = BuildContext(model, target, draft_model, tokenizer, sampling, generator)
-        drafter = spec.drafter.make(build, drafting)
-        # (a drafter that drafts with the target pays a target forward whatever its length: no budget applies)
-        if draft_budget == "measured" and drafter.draft_budget is None and not drafter.drafts_with_target \
-                and not drafter.drafts_in_verify:
-            drafter = budgeted(drafter, model, draft_model if spec.needs_draft_model else None)
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(text, str) for text in stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        drafter = method_drafter(spec, build, drafting, draft_budget)
+        if seed is not None and drafter.draft_budget is not None:
+            drafter.draft_budget.learn_cost = False  # the drafting cost stays as measured once, not as timed now
         output = Output(tokenizer, eos, stop, max_new_tokens)
-        return cls(target, drafter, verify, prompt_ids, output, generator, sampling=sampling,
-                   per_position=per_position, logprobs=logprobs, output_scores=output_scores)
+        sequence = cls(target, drafter, verify, prompt_ids, output, generator, sampling=sampling,
+                       per_position=per_position, logprobs=logprobs, output_scores=output_scores)
+        sequence.seeded = seed is not None
+        return sequence
 
     @property
     def done(self) -> bool:
@@ -497,6 +479,95 @@ class Sequence:
         if self.output_scores:
             scores = torch.cat(self.scores) if self.scores else torch.empty(0, self.target.vocab_size)
         return GenerationResult(output.token_ids, output.text, output.finish_reason or "abort", stats, logprobs, scores)
+
+
+def chosen_draft_budget(spec, draft_budget: str, request_options: dict) -> str:
+    """The draft budget the request runs with, "method" or "measured" (DRAFT_BUDGETS): "auto" is the method's
+    default, unless the request's options fix the draft length (FIXED_LENGTH_OPTIONS set to other than their
+    defaults: gamma=4 rather than "auto"), which it then keeps."""
+    if draft_budget not in DRAFT_BUDGETS:
+        raise ValueError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
+    if draft_budget != "auto":
+        return draft_budget
+    defaults = spec.options
+    fixed = any(name in defaults and request_options.get(name, defaults[name]) != defaults[name]
+                for name in FIXED_LENGTH_OPTIONS)
+    return "method" if fixed else spec.draft_budget
+
+
+def checked_sampling(spec, **arguments) -> SamplingConfig:
+    """The request's sampling settings, each of generate()'s own arguments checked (ARGUMENT_TYPES)."""
+    for name, value in arguments.items():
+        check_option(name, value, ARGUMENT_TYPES[name])
+    if arguments["max_new_tokens"] < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {arguments['max_new_tokens']}")
+    sampling = SamplingConfig(arguments["temperature"], arguments["top_k"], arguments["top_p"])
+    if not sampling.greedy and not spec.can_sample:
+        raise ValueError(f"method {spec.name!r} supports greedy decoding only (temperature 0)")
+    return sampling
+
+
+def position_noise(spec, sampling: SamplingConfig, seed: int | None, vocab_size: int) -> PositionNoise | None:
+    """Seeded sampling with a lossless method samples per position (verify_gumbel), so that the tokens do not
+    depend on the drafts; None otherwise."""
+    per_position = seed is not None and not sampling.greedy and spec.lossless == "distribution-exact"
+    return PositionNoise(seed, vocab_size) if per_position else None
+
+
+def check_recording(logprobs, output_scores) -> None:
+    """What a request may ask recorded per committed token: logprobs None or k >= 0, output_scores a bool."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise ValueError(f"logprobs must be None or an integer >= 0 (how many top alternatives), got {logprobs!r}")
+    if not isinstance(output_scores, bool):
+        raise ValueError(f"output_scores must be true or false, got {output_scores!r}")
+
+
+def stop_strings(stop) -> list[str]:
+    """stop as a list of strings (one string, a list of them, or None)."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(text, str) for text in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    return stop
+
+
+def seeded_generator(model, seed: int | None) -> torch.Generator:
+    """A generator on the model's device (torch refuses a CPU generator for CUDA probabilities), seeded with
+    `seed` (None: a fresh random seed)."""
+    generator = torch.Generator(getattr(model, "device", "cpu"))
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
+
+
+def target_runner(spec, model, running, cache: str) -> ModelRunner:
+    """The runner holding the target's KV cache: the method's own (early exits), else the engine's for `cache`."""
+    if spec.runner and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"method {spec.name!r} runs the model's layers itself and needs a PyTorch model; load it "
+                         "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
+    if spec.runner and cache == "static":
+        raise ValueError(f"method {spec.name!r} keeps the KV cache its own way; it cannot take cache='static'")
+    target = spec.runner.make(model, running) if spec.runner else runner_for(model, cache)
+    target.keep_hidden = spec.reads_target_hidden
+    return target
+
+
+def check_prompt(prompt_ids: list[int], target: ModelRunner) -> None:
+    """A prompt the target can read: shorter than its context, every token id in its vocabulary."""
+    if len(prompt_ids) >= target.max_positions:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
+    outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
+    if outside:
+        raise ValueError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{target.vocab_size - 1})")
+
+
+def method_drafter(spec, build: BuildContext, drafting, draft_budget: str):
+    """The method's drafter, capped each step by the measured costs where draft_budget is "measured" and it does
+    not follow them already. (A drafter that drafts with the target, or within its verifying forward, pays a target
+    forward whatever its length: no budget applies.)"""
+    drafter = spec.drafter.make(build, drafting)
+    if draft_budget == "measured" and drafter.draft_budget is None and not drafter.drafts_with_target \
+            and not drafter.drafts_in_verify:
+        drafter = budgeted(drafter, build.target_model, build.draft_model if spec.needs_draft_model else None)
+    return drafter
 
 
 @torch.inference_mode()

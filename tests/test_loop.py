@@ -116,11 +116,6 @@ def shallow_copy(dtype: str, layers: int):
     return model
 
 
-@pytest.fixture(scope="module")
-def smollm_shallow():
-    return shallow_copy("float32", 20)
-
-
 REAL_PROMPTS = {
     "chat-code": [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
     "prose": "The three most important ideas in the history of science are",
@@ -145,7 +140,7 @@ def test_real_model_autoregressive_matches_hf(smollm, real_greedy):
 
 
 @pytest.mark.parametrize("prompt", list(REAL_PROMPTS))
-@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("gamma", [1, 3, pytest.param(8, marks=pytest.mark.slow)])  # 8: the longest drafts, slow
 def test_real_model_partial_acceptance_is_lossless(smollm, smollm_shallow, real_greedy, prompt, gamma):
     model, tokenizer = smollm
     prompt_ids, expected = real_greedy[prompt]
@@ -318,7 +313,7 @@ def test_speculative_sampling_end_to_end_matches_target_distribution(make_tiny_m
     def always_accept(draft, logits, sampling, first_position):  # seeded sampling verifies per position (verify_gumbel)
         return Verdict(list(range(len(draft))), int(torch.multinomial(logits_to_probs(logits[-1], sampling), 1)))
 
-    monkeypatch.setattr(importlib.import_module("accelgen.generate"), "verify_gumbel", always_accept)
+    monkeypatch.setattr(importlib.import_module("accelgen.loop"), "verify_gumbel", always_accept)
     wrong_law = first_two_token_law(target, draft, tokenizer, prompt, draws=600)
     assert 0.5 * float((wrong_law - exact).abs().sum()) > 2 * tv_bound(600)
 
@@ -357,7 +352,7 @@ def test_clear_errors(tiny_target, tokenizer, make_tiny_model):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="speculative", draft_model=other_vocab)
     with pytest.raises(ValueError, match="has no option 'gama'.*gamma"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="speculative", draft_model=tiny_target, gama=3)
-    with pytest.raises(ValueError, match="gamma must be >= 1"):
+    with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto', got 0"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="speculative", draft_model=tiny_target, gamma=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, max_new_tokens=-1)
@@ -398,7 +393,8 @@ def test_one_prompt_as_a_row_or_numpy_ids_is_fine(tiny_target, tokenizer, tiny_g
     ({"top_k": 2.5}, "top_k must be an integer"),
     ({"seed": "abc"}, "seed must be an integer or None, got 'abc'"),
     ({"stop": [3]}, "stop must be a string or a list of strings"),
-    ({"method": "speculative", "gamma": "five"}, "speculative: gamma must be an integer, got 'five'"),
+    ({"method": "speculative", "gamma": "five"}, "gamma must be an integer >= 1 or 'auto', got 'five'"),
+    ({"method": "speculative", "gamma": 2.5}, "speculative: gamma must be text or an integer, got 2.5"),
     ({"method": "specdec", "tau": float("nan")}, "specdec: tau must be a finite number, got nan"),
 ])
 def test_arguments_of_the_wrong_type_are_named(tiny_target, tokenizer, arguments, message):
@@ -637,3 +633,17 @@ def test_batched_texts_and_chats(smollm):
     prompts = [REAL_PROMPTS["prose"], REAL_PROMPTS["chat-code"]]
     together = accelgen.generate(model, tokenizer, prompts, max_new_tokens=6)
     assert [r.text for r in together] == [accelgen.generate(model, tokenizer, p, max_new_tokens=6).text for p in prompts]
+
+
+def test_the_draft_budget_a_request_gets():
+    from accelgen.loop import chosen_draft_budget
+
+    speculative, pld = accelgen.get_method("speculative"), accelgen.get_method("pld")
+    assert chosen_draft_budget(speculative, "auto", {}) == "measured"  # the method's default
+    assert chosen_draft_budget(speculative, "auto", speculative.options) == "measured"  # every default, as the CLI's
+    assert chosen_draft_budget(speculative, "auto", {"gamma": 4}) == "method"  # a fixed length
+    assert chosen_draft_budget(speculative, "auto", {"gamma_schedule": "heuristic"}) == "method"
+    assert chosen_draft_budget(speculative, "measured", {"gamma": 4}) == "measured"  # asked for: capped anyway
+    assert chosen_draft_budget(pld, "auto", {}) == "method"
+    with pytest.raises(ValueError, match="unknown draft_budget 'sometimes'; choose one of auto, method, measured"):
+        chosen_draft_budget(pld, "sometimes", {})

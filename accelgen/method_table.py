@@ -23,7 +23,8 @@ FAMILIES: dict[str, dict[str, str]] = {
         # a separate draft model drafts
         "speculative": "accelgen.drafters.draft_model",
         "distillspec": "accelgen.drafters.distillspec",
-        "online": "accelgen.train.online",  # (with its learner)
+        # "online" (the draft keeps learning) trains, so it lives with the trainers and is declared from above them:
+        # accelgen/__init__.py (registry.declare_method)
         "specinfer": "accelgen.drafters.specinfer",
         "mcsd": "accelgen.drafters.mcsd",
         "spectr": "accelgen.drafters.spectr",
@@ -36,6 +37,7 @@ FAMILIES: dict[str, dict[str, str]] = {
         "triforce": "accelgen.drafters.triforce",
         "universal": "accelgen.drafters.universal",
         # the target drafts for itself: skipped layers, an early exit, trained heads or embeddings
+        "qspec": "accelgen.drafters.qspec",  # its own quantized copy (GGUF on llama.cpp, int8/int4)
         "self-speculative": "accelgen.drafters.self_speculative",
         "layerskip": "accelgen.drafters.layerskip",
         "blockwise": "accelgen.drafters.medusa",

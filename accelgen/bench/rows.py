@@ -25,7 +25,7 @@ from accelgen.bench.records import generation_record
 from accelgen.prompts import eos_token_ids
 from accelgen.models.loading import check_weights
 from accelgen.method_options import base_method, parse_variant
-from accelgen.generate import generate
+from accelgen.loop import generate
 from accelgen.registry import list_methods, merge_options
 
 BASELINE = "hf-greedy"

@@ -45,7 +45,7 @@ def test_autoregressive_with_penalties_equals_hf(small, tokenizer, settings):
     ("speculative", dict(gamma=4)),  # the draft model drafts through the same processors: all accepted
     ("speculative-unrelated", dict(gamma=4)),
     ("pld", {}),
-    ("specinfer", {}),  # a tree: rows of several paths, processed each with its own path
+    ("specinfer", dict(draft_budget="method")),  # a tree: rows of several paths, processed each with its own path
 ])
 def test_lossless_methods_with_penalties_equal_autoregressive(small, tokenizer, penalised, method, options):
     target, unrelated = small

@@ -1,0 +1,92 @@
+"""The request bodies of /v1/completions and /v1/chat/completions (pydantic, strict), their limits, and the Shape
+of the answer a request asks for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from accelgen.server.tools import Tool, ToolChoice
+
+
+# OpenAI allows 4 stop sequences. The matcher costs time linear in their length (stopping.py), but a stop
+# string is text the server keeps and scans for the request's whole life, and nothing a client means by
+# "stop here" is longer than a few lines: 1,000 characters is far beyond any real use, and bounds the work.
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1000
+MAX_N = 8  # choices per request: each is a sequence in the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's limits: 20 alternatives per token in chat, 5 in completions
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class RequestBody(BaseModel):
+    # strict: a string is not a number, a number is not a boolean ("10", true and "yes" are refused, not coerced);
+    # an integer is still a valid float (temperature 0)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63 - MAX_N)  # what a torch generator takes, + i
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+    top_k: int = Field(default=0, ge=0)  # an extension (as vLLM's): 0 keeps every token
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    response_format: dict | None = None
+    # OpenAI fields accepted at their neutral values only (clients often send them); anything else is refused
+    logit_bias: dict | None = None
+    method: str | None = None  # accelgen's extra field: the generation method
+
+
+class CompletionBody(RequestBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # alternatives per token
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # other part types are refused by name (message_text)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)  # other OpenAI message fields (name, refusal) are ignored
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+
+class ChatBody(RequestBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; an answer makes at most one call
+
+
+@dataclass
+class Shape:
+    """How a request is asked and answered: chat or completion, logprobs (alternatives per token, None: off), the
+    prompt echoed before a completion, the tools (a call is returned as tool_calls)."""
+
+    chat: bool
+    logprobs: int | None = None
+    echo: bool = False
+    described_tools: list[Tool] = field(default_factory=list)  # in the prompt
+    tools: list[Tool] = field(default_factory=list)  # those an answer may call (tool_choice "none": none)
+    forced_call: dict | None = None  # the constraint of tool_choice "required" or a named tool (tools.py)
