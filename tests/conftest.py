@@ -77,13 +77,24 @@ def smollm():
     return accelgen.load_model("smollm2-135m", dtype="float32")
 
 
+def first_layers(model, count: int):
+    """A copy of a Llama-layout model keeping only its first `count` decoder layers (a cheaper, weaker draft)."""
+    model = copy.deepcopy(model)
+    model.model.layers = model.model.layers[:count]
+    model.config.num_hidden_layers = count
+    return model
+
+
 @pytest.fixture(scope="session")
 def smollm_shallow(smollm):
     """A copy of SmolLM2 with only its first 20 of 30 layers: a draft model that is right often, but not always."""
-    model = copy.deepcopy(smollm[0])
-    model.model.layers = model.model.layers[:20]
-    model.config.num_hidden_layers = 20
-    return model
+    return first_layers(smollm[0], 20)
+
+
+@pytest.fixture(scope="session")
+def smollm_26_layers(smollm):
+    """SmolLM2 without its last 4 of 30 layers: a draft model that is right often, but far from always."""
+    return first_layers(smollm[0], 26)
 
 
 @pytest.fixture(scope="session")

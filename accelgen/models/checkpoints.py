@@ -39,6 +39,20 @@ DTYPES = {
 CACHE_DTYPE = torch.bfloat16
 
 
+def stderr_progress(verb: str, unit: str):
+    """A progress(done, total, name) callback for a long conversion: "<verb> done/total <unit> (name) in Ns" on
+    stderr at most every 5 seconds, and at the end; its clock starts now."""
+    started, shown = time.perf_counter(), [0.0]
+
+    def progress(done: int, total: int, name: str) -> None:
+        elapsed = time.perf_counter() - started
+        if done == total or elapsed - shown[0] >= 5:
+            shown[0] = elapsed
+            print(f"accelgen: {verb} {done}/{total} {unit} ({name}) in {elapsed:.0f}s", file=sys.stderr)
+
+    return progress
+
+
 def cache_dir() -> Path:
     """Where converted models live: $ACCELGEN_CACHE, else the user's cache folder."""
     if env := os.environ.get("ACCELGEN_CACHE"):
@@ -305,14 +319,7 @@ def quantize_cached(model, fmt: str, folder: Path | None, compute_dtype: torch.d
         return
     name = folder.name if folder is not None else model.config.name_or_path
     print(f"accelgen: quantizing {name} to {fmt} once; later loads read it from the cache", file=sys.stderr)
-    started, shown = time.perf_counter(), [0.0]
-
-    def progress(done: int, total: int, layer: str) -> None:
-        elapsed = time.perf_counter() - started
-        if done == total or elapsed - shown[0] >= 5:
-            shown[0] = elapsed
-            print(f"accelgen: quantized {done}/{total} layers ({layer}) in {elapsed:.0f}s", file=sys.stderr)
-
+    started, progress = time.perf_counter(), stderr_progress("quantized", "layers")
     saved = quantize(model, fmt, None, compute_dtype, progress)
     if path is not None:
         write_atomically(path, lambda partial: save_quantized(saved, partial))

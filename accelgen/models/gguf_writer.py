@@ -27,13 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from accelgen.atomic import write_atomically
+from accelgen.models.checkpoints import stderr_progress
 
 GGUF_TYPES = ("q8_0", "q4_0", "f32")
 WRITER_VERSION = 1  # part of the cache key: a change to what is written makes files written before stale
@@ -244,14 +244,7 @@ def written_gguf(model, tokenizer, gguf_type: str = "q8_0") -> Path:
     if path.is_file():
         return path
     print(f"accelgen: writing {path.name} for llama.cpp once; later drafts read it from the cache", file=sys.stderr)
-    started, shown = time.perf_counter(), [0.0]
-
-    def progress(done: int, total: int, name: str) -> None:
-        elapsed = time.perf_counter() - started
-        if done == total or elapsed - shown[0] >= 5:
-            shown[0] = elapsed
-            print(f"accelgen: wrote {done}/{total} tensors ({name}) in {elapsed:.0f}s", file=sys.stderr)
-
+    progress = stderr_progress("wrote", "tensors")
     write_atomically(path, lambda partial: write_gguf(model, tokenizer, partial, gguf_type, progress))
     return path
 

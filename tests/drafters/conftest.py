@@ -4,7 +4,6 @@ BiTA/SPACE drafts forced right or wrong."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -141,13 +140,6 @@ def sampling_draft(make_tiny_model):
     return make_tiny_model("llama", seed=4, vocab_size=SAMPLING_VOCAB)
 
 
-@pytest.fixture(scope="session")
-def smollm_26_layers(smollm):
-    """SmolLM2 without its last 4 of 30 layers: a draft model that is right often, but far from always."""
-    draft_model = copy.deepcopy(smollm[0])
-    draft_model.model.layers = draft_model.model.layers[:26]
-    draft_model.config.num_hidden_layers = 26
-    return draft_model
 
 
 @pytest.fixture
