@@ -317,7 +317,7 @@ class Sequence:
               min_new_tokens: int = 0, bad_words_ids: list[list[int]] | None = None,
               logits_processors: list | None = None, logprobs: int | None = None, output_scores: bool = False,
               response_format: dict | None = None, eos_ids: set[int] | None = None, cache: str = "auto",
-              **method_options) -> "Sequence":
+              compile: bool | str = "auto", **method_options) -> "Sequence":
         """Check the request and build its sequence (arguments as `generate`); raises ValueError on bad input.
 
         Processing (docs/sampling-and-constraints.md): repetition_penalty, no_repeat_ngram_size, min_new_tokens
@@ -328,7 +328,8 @@ class Sequence:
         the processed scores. With a seed, lossless methods sample per position (verify_gumbel).
         eos_ids: the tokens that end generation (None: the model's and the tokenizer's, `eos_token_ids`);
         min_new_tokens bans them and the grammar of response_format ends with them. cache: the target's KV cache,
-        "auto" (static with CUDA graphs on a GPU, else dynamic), "static" or "dynamic" (models/engines.py)."""
+        "auto" (static with CUDA graphs on a GPU, else dynamic), "static" or "dynamic" (models/engines.py);
+        compile: the static cache's forwards through torch.compile, "auto" (on a GPU), True or False."""
         spec = get_method(method)
         draft_budget = chosen_draft_budget(spec, method_options.pop("draft_budget", "auto"), method_options)
         options = spec.check_options(method_options)
@@ -340,7 +341,7 @@ class Sequence:
         stop = stop_strings(stop)
         generator = seeded_generator(model, seed)
         prompt_ids = encode_prompt(tokenizer, prompt)
-        target = target_runner(spec, model, running, cache)
+        target = target_runner(spec, model, running, cache, compile)
         check_prompt(prompt_ids, target)
         eos = set(eos_ids) if eos_ids is not None else eos_token_ids(model, tokenizer)
         constraint = grammar_constraint(response_format, tokenizer, target.vocab_size, eos, len(prompt_ids))
@@ -538,14 +539,17 @@ def seeded_generator(model, seed: int | None) -> torch.Generator:
     return generator
 
 
-def target_runner(spec, model, running, cache: str) -> ModelRunner:
-    """The runner holding the target's KV cache: the method's own (early exits), else the engine's for `cache`."""
+def target_runner(spec, model, running, cache: str, compile: bool | str = "auto") -> ModelRunner:
+    """The runner holding the target's KV cache: the method's own (early exits), else the engine's for `cache`
+    and `compile`."""
     if spec.runner and not isinstance(model, torch.nn.Module):
         raise ValueError(f"method {spec.name!r} runs the model's layers itself and needs a PyTorch model; load it "
                          "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
     if spec.runner and cache == "static":
         raise ValueError(f"method {spec.name!r} keeps the KV cache its own way; it cannot take cache='static'")
-    target = spec.runner.make(model, running) if spec.runner else runner_for(model, cache)
+    if spec.runner and compile is True:
+        raise ValueError(f"method {spec.name!r} runs the model's layers itself; it cannot take compile=True")
+    target = spec.runner.make(model, running) if spec.runner else runner_for(model, cache, compile)
     target.keep_hidden = spec.reads_target_hidden
     return target
 

@@ -59,6 +59,38 @@ class MinNewTokens:
         return scores.index_fill(1, to_device(self.eos, scores.device), float("-inf"))
 
 
+class MinP:
+    """vLLM's min_p: tokens less likely than min_p times the most likely one are dropped, the probabilities taken
+    at the request's temperature. It runs before the temperature is applied, so the rule is written on logits:
+    p_i < min_p · p_max  <=>  logit_i < logit_max + temperature · ln(min_p)."""
+
+    def __init__(self, min_p: float, temperature: float):
+        if not 0.0 < min_p <= 1.0:
+            raise ValueError(f"min_p must be in (0, 1] (0 disables it), got {min_p}")
+        self.margin = temperature * math.log(min_p)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        threshold = scores.max(dim=-1, keepdim=True).values + self.margin
+        return scores.masked_fill(scores < threshold, float("-inf"))
+
+
+class AllowedTokens:
+    """vLLM's allowed_token_ids: every other token is banned."""
+
+    def __init__(self, token_ids: list[int], vocab_size: int):
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise ValueError(f"allowed_token_ids holds {token!r}, not a token id of this model "
+                                 f"(0..{vocab_size - 1})")
+        if not token_ids:
+            raise ValueError("allowed_token_ids must name at least one token")
+        self.banned = torch.ones(vocab_size, dtype=torch.bool)
+        self.banned[list(token_ids)] = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(to_device(self.banned, scores.device), float("-inf"))
+
+
 class EachRow:
     """A user's per-row processor as a stage: called on each row with that row's context."""
 
@@ -111,6 +143,9 @@ class LogitsPipeline:
         return processed
 
 
+STAGES = (MinP, AllowedTokens)  # accelgen's own stages, which a caller may pass in logits_processors as they are
+
+
 def tree_paths(draft: Draft) -> list[list[int]]:
     """For each logits row (root, then node i as row i+1), the draft tokens on the path from the root to it."""
     tokens = draft.tokens.tolist()
@@ -142,7 +177,7 @@ def build_pipeline(*, prompt_length: int, eos_token_ids: set[int], vocab_size: i
     if presence_penalty or frequency_penalty:
         stages.append(PenaltiesByCount(prompt_length, float(presence_penalty), float(frequency_penalty)))
     for processor in logits_processors or []:
-        stages.append(processor if isinstance(processor, LogitsProcessor) else EachRow(processor))
+        stages.append(processor if isinstance(processor, (LogitsProcessor, *STAGES)) else EachRow(processor))
     if constraint is not None:
         stages.append(constraint)
     return LogitsPipeline(stages) if stages else None

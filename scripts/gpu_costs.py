@@ -5,21 +5,27 @@
 For each committed configuration (benchmarks/gpu-h200-smollm2/configs: Qwen2.5-0.5B, -1.5B and -7B, SmolLM2-135M)
 a model is built with weights drawn at random on the device, in bf16 (a forward's cost does not depend on the
 weights' values), and one forward over k new tokens after 256 cached positions is timed for each k: eagerly
-(HF's forward over a growing cache, `ModelRunner`) and as a CUDA graph over the static cache (`StaticRunner`).
+(HF's forward over a growing cache, `ModelRunner`), as a CUDA graph over the static cache (`StaticRunner`,
+compile=False) and compiled by inductor inside that graph (compile=True). Each curve's wall time is recorded too:
+the compiled curve's, less the graphed one's, is its compile warm-up. (On the CPU there are no graphs: "graphed" is
+the static cache's eager forward.)
 
 Then the speedups these costs PREDICT for the real Qwen2.5-Coder pair, with the τ (tokens per target forward) and
 the draft tokens per step that benchmarks/humaneval-qwen1.5b and benchmarks/sharegpt-qwen1.5b measured on the CPU:
     predicted speedup = τ · t_target(1) / (t_target(1 + draft tokens per step) + draft time per step)
 where a draft model's time per step is γ · t_draft(1) and a model-free draft's is left out. They are predictions,
 not measurements: acceptance is the CPU's (same weights, bf16 vs the CPU's formats), and the loop's own time is
-not in them. Writes costs.json, predictions.json and costs.png.
+not in them. Writes costs.json (after each model, so a run cut short keeps what it measured), predictions.json
+and costs.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,10 +51,16 @@ def random_model(name: str, device: str):
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
-def cost_curve(model, runner_class, sizes: list[int], repeats: int) -> dict[int, float]:
-    """Milliseconds of one forward over k new tokens (all rows' logits) after CONTEXT cached, per k."""
-    seconds = batch_forward_seconds(model, timing_prompt(model, CONTEXT), 1, sizes, repeats, make_runner=runner_class)
-    return {k: 1000 * value for k, value in seconds.items()}
+RUNNERS = {"eager": ModelRunner, "graphed": functools.partial(StaticRunner, compile=False),
+           "compiled": functools.partial(StaticRunner, compile=True)}
+
+
+def cost_curve(model, make_runner, sizes: list[int], repeats: int) -> tuple[dict[int, float], float]:
+    """Milliseconds of one forward over k new tokens (all rows' logits) after CONTEXT cached, per k; and the
+    curve's wall seconds, warm-up (graph capture, compilation) included."""
+    started = time.perf_counter()
+    seconds = batch_forward_seconds(model, timing_prompt(model, CONTEXT), 1, sizes, repeats, make_runner=make_runner)
+    return {k: 1000 * value for k, value in seconds.items()}, time.perf_counter() - started
 
 
 def measured_tau(path: Path) -> dict[str, dict]:
@@ -82,7 +94,7 @@ def predictions(costs: dict) -> dict:
     table = {}
     for workload, path in MEASURED_TAU.items():
         for method, measured in measured_tau(path).items():
-            for runner in ("eager", "graphed"):
+            for runner in RUNNERS:
                 target, draft = costs["qwen2.5-1.5b"][runner], costs["qwen2.5-0.5b"][runner]
                 draft_ms = (measured["gamma"] or 0) * draft[1] if method == "speculative" else 0.0
                 step_ms = interpolated(target, 1 + measured["draft_tokens_per_step"]) + draft_ms
@@ -122,16 +134,18 @@ def main() -> None:
     arguments = parser.parse_args()
     arguments.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(size) for size in arguments.sizes.split(",")]
-    costs = {}
+    costs, wall = {}, {}
     for name in arguments.models.split(","):
         model = random_model(name, arguments.device)
-        costs[name] = {runner: cost_curve(model, runner_class, sizes, arguments.repeats)
-                       for runner, runner_class in (("eager", ModelRunner), ("graphed", StaticRunner))}
+        costs[name], wall[name] = {}, {}
+        for runner, make_runner in RUNNERS.items():
+            costs[name][runner], wall[name][runner] = cost_curve(model, make_runner, sizes, arguments.repeats)
         print(name, {runner: {k: round(ms, 3) for k, ms in curve.items()} for runner, curve in costs[name].items()},
-              file=sys.stderr, flush=True)
+              "wall s", {runner: round(seconds, 1) for runner, seconds in wall[name].items()}, file=sys.stderr, flush=True)
+        write_json_atomically(arguments.out / "costs.json", {"command": " ".join(sys.argv), "context": CONTEXT,
+                                                            "device": arguments.device, "ms": costs, "wall_seconds": wall})
         del model
         torch.cuda.empty_cache() if arguments.device.startswith("cuda") else None
-    write_json_atomically(arguments.out / "costs.json", {"command": " ".join(sys.argv), "context": CONTEXT, "ms": costs})
     if {"qwen2.5-1.5b", "qwen2.5-0.5b"} <= set(costs):
         write_json_atomically(arguments.out / "predictions.json", predictions(costs))
     plot(costs, arguments.out / "costs.png")

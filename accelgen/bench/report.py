@@ -166,9 +166,24 @@ def run_description(results: dict) -> list[str]:
         f"- max_new_tokens {config['max_new_tokens']}, temperature {config['temperature']}, seed {config['seed']}, "
         f"prompt format {config['prompt_format']}, prompts done: {prompt_count(results)}",
         "- methods: " + ", ".join(f"{m}" + option_text(config["options"].get(m, {})) for m in config["methods"]),
+        *compiled_line(results["records"], config["methods"]),
+        *[f"- note: {note}" for note in meta.get("notes", [])],  # (older runs recorded none)
         "",
     ]
     return lines
+
+
+def compiled_line(records: list[dict], methods: list[str]) -> list[str]:
+    """Per HF static row, on how many prompts generate() took transformers' compiled forward."""
+    counts: dict[str, list[bool]] = {name: [] for name in methods}
+    for record in records:
+        if record.get("compiled") is not None:
+            counts[record["method"]].append(record["compiled"])
+    counts = {name: flags for name, flags in counts.items() if flags}
+    if not counts:
+        return []
+    return ["- transformers' compiled forward: " + ", ".join(f"{name} on {sum(flags)} of {len(flags)} prompts"
+                                                            for name, flags in counts.items())]
 
 
 def device_line(device: dict | None) -> list[str]:

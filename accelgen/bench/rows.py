@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import CompileConfig
 
 from accelgen.hardware import synchronize, timed
 from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
@@ -26,7 +27,7 @@ from accelgen.prompts import eos_token_ids
 from accelgen.models.loading import check_weights
 from accelgen.method_options import base_method, parse_variant
 from accelgen.loop import generate
-from accelgen.registry import list_methods, merge_options
+from accelgen.registry import LOOP_OPTIONS, list_methods, merge_options
 
 BASELINE = "hf-greedy"
 # Needs every benchmark prompt meets by itself: `llma` copies from reference documents, and with none given
@@ -60,6 +61,11 @@ class BenchMethod:
         return self.lossless in LOSSLESS
 
     def check_options(self, options: dict) -> dict:
+        if self.source != "accelgen":  # accelgen's loop options (cache=, compile=) are not HF's or llama.cpp's
+            stray = sorted(set(options) & set(LOOP_OPTIONS) - set(self.options))
+            if stray:
+                raise ValueError(f"method {self.name!r} has no option {', '.join(map(repr, stray))}; its options "
+                                 f"are: {', '.join(sorted(self.options)) or 'none'}")
         return merge_options(self.name, self.options, options)
 
     def given_options(self, options: dict[str, dict]) -> dict:
@@ -84,6 +90,19 @@ HF_METHODS = {
         summary="transformers generate(prompt_lookup_num_tokens=10)",
     ),
 }
+# HF's fastest path: the same three on its static cache, the forward compiled where transformers compiles it
+# (compile "auto": its own rule, on a GPU; True forces it on any device, False keeps it eager)
+STATIC_ROWS = {"hf-static": BASELINE, "hf-static-assisted": "hf-assisted", "hf-static-prompt-lookup": "hf-prompt-lookup"}
+STATIC_SUMMARIES = {
+    "hf-static": "transformers generate(cache_implementation='static'), its forward compiled as transformers does",
+    "hf-static-assisted": "hf-assisted on transformers' static cache, its forward compiled as transformers does",
+    "hf-static-prompt-lookup": "hf-prompt-lookup on transformers' static cache, its forward compiled as transformers does",
+}
+HF_METHODS.update({
+    name: dataclasses.replace(HF_METHODS[dynamic], name=name, options={**HF_METHODS[dynamic].options, "compile": "auto"},
+                              summary=STATIC_SUMMARIES[name])
+    for name, dynamic in STATIC_ROWS.items()
+})
 
 
 # llama.cpp's own loop on the same GGUF files (accelgen/bench/llamacpp.py)
@@ -132,10 +151,11 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
 
 
 def unmet_needs(method: BenchMethod, resources: set[str], options: dict) -> list[str]:
-    """Needs neither provided by the run (e.g. a draft model) nor given as an option of the same name
-    (with -o, or in a variant's name: consistent-ee@heads=FOLDER)."""
+    """Needs neither provided by the run (e.g. a draft model, or "heads:eagle": a head shipped for the run's model)
+    nor given as an option of the same name (with -o, or in a variant's name: consistent-ee@heads=FOLDER)."""
     given = {**method.options, **options, "draft_model": method.draft}
-    return [need for need in method.needs if need not in resources and given.get(need) is None]
+    return [need for need in method.needs if need not in resources and f"{need}:{method.registered_name}" not in
+            resources and given.get(need) is None]
 
 
 def resolve_methods(
@@ -193,13 +213,15 @@ def run_method(
     seed: int,
     options: dict,
     peers: LlamaCppPeers | None = None,
+    max_cache_len: int | None = None,
 ) -> dict:
-    """Generate once and time it; a record of new tokens, seconds and forward statistics."""
+    """Generate once and time it; a record of new tokens, seconds and forward statistics. max_cache_len: the
+    positions HF's static cache holds for every prompt of the run (None: sized per call)."""
     if method.source == "llamacpp":
         return peers.run(method, options, prompt_ids, max_new_tokens)
     if method.source == "hf":
         return run_hf(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
-                      temperature=temperature, seed=seed, options=options)
+                      temperature=temperature, seed=seed, options=options, max_cache_len=max_cache_len)
     return run_accelgen(method, model, tokenizer, prompt_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                         temperature=temperature, seed=seed, options=options)
 
@@ -223,11 +245,14 @@ def run_accelgen(method, model, tokenizer, prompt_ids, *, draft_model, max_new_t
     )
 
 
-def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options) -> dict:
+def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens, temperature, seed, options,
+           max_cache_len=None) -> dict:
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
-    kwargs = hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options)
+    kwargs = hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options,
+                                max_cache_len)
     draft_timer = ForwardTimer(kwargs["assistant_model"]) if "assistant_model" in kwargs else None
-    counter = ForwardCounter(model)
+    static = method.registered_name in STATIC_ROWS
+    counter = PreparedInputsCounter(model) if static else ForwardCounter(model)
     torch.manual_seed(seed)  # HF samples from torch's global generator
     try:
         output, seconds = timed(model.device, lambda: model.generate(
@@ -241,10 +266,12 @@ def run_hf(method, model, tokenizer, prompt_ids, *, draft_model, max_new_tokens,
     # HF does not report how many tokens it drafted
     return generation_record(token_ids, seconds, finish_reason, target_forwards=counter.forwards,
                              committed_per_step=counter.committed_per_step(len(prompt_ids), len(token_ids)),
-                             draft_seconds=draft_timer.seconds if draft_timer else None)
+                             draft_seconds=draft_timer.seconds if draft_timer else None,
+                             **({"compiled": counter.compiled} if static else {}))
 
 
-def hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options) -> dict:
+def hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, temperature, options,
+                       max_cache_len=None) -> dict:
     eos = sorted(eos_token_ids(model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
@@ -252,11 +279,61 @@ def hf_generate_kwargs(method, model, tokenizer, draft_model, max_new_tokens, te
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)  # plain sampling, like accelgen's
     else:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    if method.registered_name == "hf-assisted":
+    options = dict(options)
+    if method.registered_name in STATIC_ROWS:
+        kwargs.update(static_kwargs(options.pop("compile"), max_cache_len))
+    row = STATIC_ROWS.get(method.registered_name, method.registered_name)  # the dynamic-cache row it extends
+    if row == "hf-assisted":
         kwargs["assistant_model"] = assistant_with_options(draft_model, options)
-    elif method.registered_name == "hf-prompt-lookup":
+    elif row == "hf-prompt-lookup":
         kwargs.update(options)
     return kwargs
+
+
+def static_kwargs(compile, max_cache_len: int | None) -> dict:
+    """generate()'s arguments for HF's static cache, sized once for the whole run (a cache of another size is
+    another shape, which transformers would compile again), its forward compiled as `compile` says: "auto"
+    transformers' own rule (on cuda, xpu, neuron or tpu), True on any device, False never."""
+    kwargs = {"cache_implementation": "static"}
+    if max_cache_len is not None:
+        kwargs["max_cache_len"] = max_cache_len
+    if compile is True:
+        config = CompileConfig()
+        config._compile_all_devices = True  # transformers' own switch for compiling on the CPU ("for testing")
+        kwargs["compile_config"] = config
+    elif compile is False:
+        kwargs["disable_compile"] = True
+    elif compile != "auto":
+        raise ValueError(f"compile={compile!r}: choose 'auto', true or false")
+    return kwargs
+
+
+def static_cache_length(longest_prompt: int, max_new_tokens: int, options: dict[str, dict]) -> int:
+    """The positions HF's static rows hold: every prompt of the run with its new tokens in one size (a new size is a
+    new shape, which transformers would compile again), and room for a draft verified past the last new token
+    (transformers 5.24's prompt lookup writes its draft past max_length: a cache of exactly that size overflows)."""
+    drafts = [row_options.get(name, 0) for row, row_options in options.items() if base_method(row) in STATIC_ROWS
+              for name in ("num_assistant_tokens", "prompt_lookup_num_tokens")]
+    return longest_prompt + max_new_tokens + max(drafts, default=0) + 1
+
+
+def static_path_refusal(method: BenchMethod) -> str | None:
+    """Why the installed transformers cannot run this static row (None when it can): its assisted generation and
+    prompt lookup roll the cache back after each verification, which older static caches could not do."""
+    if method.registered_name not in STATIC_ROWS or STATIC_ROWS[method.registered_name] == BASELINE:
+        return None
+    from transformers import cache_utils
+
+    if getattr(getattr(cache_utils, "StaticLayer", None), "is_croppable", False) is not True:
+        return (f"transformers {transformers_version()} cannot roll its static cache back, so it refuses assisted "
+                "generation and prompt lookup there")
+    return None
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def assistant_with_options(draft_model, options: dict):
@@ -284,11 +361,14 @@ class ForwardCounter:
         self._handle = model.register_forward_pre_hook(self._before, with_kwargs=True)
 
     def _before(self, module, args, kwargs):
-        if module is not self.model:
-            return
+        if module is self.model:
+            self._note(kwargs)
+
+    def _note(self, kwargs: dict) -> None:
         self.forwards += 1
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # its name in newer / older transformers
-        self.cache_lengths.append(cache.get_seq_length() if hasattr(cache, "get_seq_length") else None)
+        # (a static cache's length is a tensor: read once the step before has finished, it waits for nothing)
+        self.cache_lengths.append(int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else None)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -302,6 +382,36 @@ class ForwardCounter:
         boundaries = [prompt_length] + [length + 1 for length in later] + [prompt_length + new_tokens]
         steps = [end - start for start, end in zip(boundaries, boundaries[1:])]
         return steps if all(step >= 1 for step in steps) else None
+
+
+class PreparedInputsCounter(ForwardCounter):
+    """ForwardCounter for HF's static path, where the target's forward may be compiled: a hook would be traced into
+    the compiled graph. Each of its forwards follows one prepare_inputs_for_generation call, outside the graph and
+    given the same cache; and `compiled` says whether generate() took transformers' compiled forward."""
+
+    WRAPPED = ("prepare_inputs_for_generation", "get_compiled_call")
+
+    def __init__(self, model):
+        self.model = model
+        self.forwards = 0
+        self.cache_lengths = []
+        self.compiled = False
+        prepare, get_compiled_call = model.prepare_inputs_for_generation, model.get_compiled_call
+
+        def counted(*args, **kwargs):
+            self._note(kwargs)
+            return prepare(*args, **kwargs)
+
+        def compiled(*args, **kwargs):
+            self.compiled = True
+            return get_compiled_call(*args, **kwargs)
+
+        # instance attributes shadow the class's methods until removed (the model is otherwise left untouched)
+        model.prepare_inputs_for_generation, model.get_compiled_call = counted, compiled
+
+    def remove(self) -> None:
+        for name in self.WRAPPED:
+            vars(self.model).pop(name, None)
 
 
 class ForwardTimer:

@@ -27,9 +27,11 @@ from accelgen import hardware
 from accelgen.bench import audit, llamacpp
 from accelgen.datasets import Prompt, load_dataset, prompt_token_ids
 from accelgen.bench.execution import execute_records
-from accelgen.bench.rows import BASELINE, PROMPT_RESOURCES, BenchMethod, resolve_methods, run_method
+from accelgen.bench.rows import (BASELINE, PROMPT_RESOURCES, STATIC_ROWS, BenchMethod, resolve_methods, run_method,
+                                 static_cache_length, static_path_refusal)
 from accelgen.bench.metrics import compare_with_baseline
 from accelgen.drafters.draft_tree import draft_weights_for
+from accelgen.heads.shipping import shipped_drafters
 from accelgen.models.loading import check_weights, load_model, resolve_device
 from accelgen.models.timing import forward_seconds
 
@@ -94,13 +96,20 @@ class Plan:
     gguf_files: dict = field(default_factory=dict)  # the GGUF files llama.cpp runs: {"target": name, "draft": names}
 
 
+def shipped_heads(model: str) -> set[str]:
+    """The run's resources from the heads the package ships for an embedded model: "heads:METHOD" for each."""
+    return {f"heads:{method}" for method in shipped_drafters(model)}
+
+
 def plan(config: BenchConfig) -> Plan:
     config.validate()
-    resources = PROMPT_RESOURCES | ({"draft_model"} if config.draft else set())
+    resources = PROMPT_RESOURCES | ({"draft_model"} if config.draft else set()) | shipped_heads(config.model)
     methods, notes = resolve_methods(config.methods, resources, config.temperature, config.options)
     if config.on_gpu:
         methods, notes = without_cpu_rows(methods, notes, config)
+    methods, notes = without_refused_static_rows(methods, notes)
     options = {m.name: m.check_options(m.given_options(config.options)) for m in methods}
+    notes += static_compile_notes(methods, options, config)
     prompts = load_dataset(config.dataset, config.limit, config.categories)
     if not prompts:
         raise ValueError(f"dataset {config.dataset!r} gave no prompts")
@@ -115,6 +124,25 @@ def without_cpu_rows(methods: list[BenchMethod], notes: list[str], config: Bench
                          f"not on {config.device}: leave {'it' if len(cpu_rows) == 1 else 'them'} out")
     skipped = [f"skipping {name}: llama.cpp runs on the CPU only, this run on {config.device}" for name in cpu_rows]
     return [m for m in methods if m.name not in cpu_rows], notes + skipped
+
+
+def without_refused_static_rows(methods: list[BenchMethod], notes: list[str]) -> tuple[list, list[str]]:
+    """The run without the HF static rows the installed transformers refuses, each named in a note (not an
+    error: what HF's static path allows is itself a finding of the run)."""
+    refused = {m.name: static_path_refusal(m) for m in methods}
+    skipped = [f"skipping {name}: {reason}" for name, reason in refused.items() if reason]
+    return [m for m in methods if not refused[m.name]], notes + skipped
+
+
+def static_compile_notes(methods: list[BenchMethod], options: dict[str, dict], config: BenchConfig) -> list[str]:
+    """What the HF static rows compile: transformers compiles generate()'s forward on a GPU only (compile=auto)."""
+    rows = [m.name for m in methods if m.registered_name in STATIC_ROWS]
+    if not rows:
+        return []
+    says = {"auto": "compiled by transformers (torch.compile, inductor, mode reduce-overhead)" if config.on_gpu else
+            f"eager: transformers compiles its forward on a GPU only, not on {config.device} (compile=true forces it)",
+            True: "compiled (compile=true)", False: "eager (compile=false)"}
+    return [f"{name}: transformers' static cache, forward {says[options[name]['compile']]}" for name in rows]
 
 
 def check_gguf(config: BenchConfig, methods: list[BenchMethod]) -> dict:
@@ -154,24 +182,26 @@ def run(
     out_dir.mkdir(parents=True, exist_ok=True)
     run_info = open_run(out_dir, identity, overwrite)
     if run_info is None:
-        run_info = {**identity, "metadata": {**describe_run(command, model, draft_model), "gguf_files": plan.gguf_files},
+        run_info = {**identity, "metadata": {**describe_run(command, model, draft_model), "gguf_files": plan.gguf_files,
+                                             "notes": plan.notes},
                     "cost": measure_costs(model, draft_model, prompt_ids[0])}
     else:
         run_info.setdefault("resumed", []).append({"date": now(), "command": command})
     write_json(out_dir / RUN_FILE, run_info)
 
     models = RowModels(plan, model, draft_model)
+    cache_length = static_cache_length(max(map(len, prompt_ids)), config.max_new_tokens, plan.options)
     records = read_jsonl(out_dir / RECORDS_FILE)
     done = {(r["prompt_id"], r["method"]) for r in records}
     pending = [(i, m) for i in range(len(plan.prompts)) for m in shuffled(plan.methods, i)
                if (plan.prompts[i].id, m.name) not in done]
     if pending and config.warmup:
         for method in plan.methods:  # untimed: first calls pay for allocation and kernel selection
-            generate(plan, method, models, tokenizer, prompt_ids[0], WARMUP_TOKENS)
+            generate(plan, method, models, tokenizer, prompt_ids[0], WARMUP_TOKENS, cache_length=cache_length)
     for index, method in pending:
         prompt = plan.prompts[index]
         record = generate(plan, method, models, tokenizer, prompt_ids[index], config.max_new_tokens,
-                          seed=config.seed + index)
+                          seed=config.seed + index, cache_length=cache_length)
         record = {"prompt_id": prompt.id, "prompt_index": index, "category": prompt.category, "method": method.name,
                   "dataset": config.dataset, "prompt_tokens": len(prompt_ids[index]),
                   **models.formats(method), **references(plan, method, models), **record,
@@ -198,10 +228,11 @@ def check_devices(config: BenchConfig, model, draft_model) -> None:
                              f"(load_model(..., device={str(device)!r}))")
 
 
-def generate(plan: Plan, method: BenchMethod, models: "RowModels", tokenizer, prompt_ids, max_new_tokens, seed=0) -> dict:
+def generate(plan: Plan, method: BenchMethod, models: "RowModels", tokenizer, prompt_ids, max_new_tokens, seed=0,
+             cache_length: int | None = None) -> dict:
     return run_method(method, models.target(method), tokenizer, prompt_ids, draft_model=models.draft(method),
                       max_new_tokens=max_new_tokens, temperature=plan.config.temperature, seed=seed,
-                      options=plan.options[method.name], peers=models.peers)
+                      options=plan.options[method.name], peers=models.peers, max_cache_len=cache_length)
 
 
 class RowModels:

@@ -106,3 +106,30 @@ def load_prompts(dataset: str) -> list:
 
 def format_options(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items()) or "-"
+
+
+def target_weights_for(methods: list[str], model: str, weights: Optional[str], dtype: Optional[str],
+                       device: Optional[str] = None, threads: Optional[int] = None) -> Optional[str]:
+    """The weight format to load an embedded target in for these methods: weights itself, except where the load
+    would give the GGUF file on llama.cpp (no --weights and no --dtype, or "auto" measuring it fastest) and a
+    method reads the target's hidden states or walks its layers, which llama.cpp gives no access to: then the
+    fastest PyTorch format the weights probe measured (bf16 before any probe), said on stderr."""
+    from accelgen.drafters.draft_tree import runs_on_cpu
+    from accelgen.models import EMBEDDED_MODELS
+    from accelgen.models.probe import cached_choice, choose_weights, decide
+    from accelgen.registry import get_method
+
+    needing = [name for name in methods if get_method(name).reads_target_hidden or get_method(name).runner]
+    if not needing or model not in EMBEDDED_MODELS or dtype is not None or not runs_on_cpu(device) \
+            or weights not in (None, "auto"):
+        return weights
+    probed = choose_weights(model, threads=threads) if weights == "auto" else cached_choice(model, threads)
+    if probed is not None and probed["weights"] != "gguf":
+        return weights
+    pytorch = {fmt: timing for fmt, timing in (probed or {}).get("timings", {}).items() if fmt != "gguf"}
+    chosen = decide(pytorch)["weights"] if pytorch else "bf16"
+    why = "the fastest PyTorch format measured here" if pytorch else "no PyTorch format measured here yet"
+    print(f"accelgen: {model} loads as weights={chosen} ({why}): {', '.join(needing)} "
+          f"{'reads' if len(needing) == 1 else 'read'} the target's hidden states, which the GGUF file on llama.cpp "
+          f"does not give; pass --weights to choose", file=sys.stderr)
+    return chosen

@@ -17,7 +17,9 @@ data_app = typer.Typer(no_args_is_help=True, help="Training data made by the tar
 @data_app.command("regenerate")
 def regenerate(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    dataset: str = typer.Option("sharegpt", "--dataset", help="Prompts: sharegpt, humaneval, specbench or jsonl:FILE."),
+    dataset: str = typer.Option("sharegpt", "--dataset", help="Prompts: sharegpt-train (ShareGPT "
+                                   "conversations the sharegpt benchmark never draws from: train on these), sharegpt, "
+                                   "humaneval, specbench or jsonl:FILE."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the answers (a run there is resumed)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),

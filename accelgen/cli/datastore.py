@@ -65,6 +65,12 @@ def jsonl_texts(path: Path, limit: Optional[int] = None) -> Iterator[str]:
 
 
 def dataset_texts(dataset: str, limit: Optional[int] = None) -> Iterator[str]:
+    """The texts of a dataset: sharegpt, jsonl:FILE, regenerated:DIR, or several of them joined by commas, their
+    texts taken in turn (so that the first windows, the held-out ones, come from each)."""
+    if "," in dataset:
+        from itertools import islice
+
+        return islice(interleaved([dataset_texts(part) for part in dataset.split(",")]), limit)
     if dataset == "sharegpt":
         return sharegpt_texts(limit)
     if dataset.startswith("jsonl:"):
@@ -78,7 +84,20 @@ def dataset_texts(dataset: str, limit: Optional[int] = None) -> Iterator[str]:
         from accelgen.datasets.regenerated import regenerated_texts
 
         return islice(regenerated_texts(dataset.removeprefix("regenerated:")), limit)
-    raise ValueError(f"unknown dataset {dataset!r}; use sharegpt, jsonl:FILE or regenerated:DIR")
+    raise ValueError(f"unknown dataset {dataset!r}; use sharegpt, jsonl:FILE or regenerated:DIR (several: joined "
+                     "by commas)")
+
+
+def interleaved(sources: list[Iterator[str]]) -> Iterator[str]:
+    """One text of each source in turn, going on with the others where one runs out."""
+    while sources:
+        remaining = []
+        for source in sources:
+            text = next(source, None)
+            if text is not None:
+                yield text
+                remaining.append(source)
+        sources = remaining
 
 
 def load_tokenizer(name: str):

@@ -10,7 +10,7 @@ import typer
 
 from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION,
                                  WEIGHTS_OPTION, console, format_options, load_target_and_draft, reported_errors,
-                                 set_threads)
+                                 set_threads, target_weights_for)
 from accelgen.method_options import parse_options
 
 
@@ -50,6 +50,7 @@ def generate(
         options = spec.check_options({**parse_options(option, spec.options), **({"heads": heads} if heads else {})})
         spec.check_needs(draft_model=draft, how="--draft")  # before loading the target, which may take a while
         draft_weights = draft_weights_for([method], draft, draft_weights, device=device, threads=threads)
+        weights = target_weights_for([method], model, weights, dtype, device, threads)
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                      draft_weights, device)
         request = [{"role": "user", "content": prompt}] if chat else prompt

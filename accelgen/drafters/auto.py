@@ -10,8 +10,10 @@ measured budget (accelgen/costs.py), so that they never cost more than they are 
 Before any calibration it chooses from the costs measured once per model, weight format and machine: at a
 prior acceptance α = PRIOR_ALPHA, draft-model speculation (γ then chosen each step, gamma_schedule="cost") if
 some γ is predicted to pay with the measured draft cost c and verification cost r(k); without a draft model, for a
-bf16/fp32 target, drafting with its own quantized copy (`qspec`, at a prior acceptance SELF_DRAFT_PRIOR_ALPHA and
-the copy's measured c); else prompt lookup, whose drafts cost nothing, if some length pays with r(k) alone; else
+target with an EAGLE head shipped for it (heads/shipping.py), drafting with that head (at its recorded held-out
+top-1 as the acceptance, and its draft step's c timed here); without one, for a bf16/fp32 target, drafting with
+its own quantized copy (`qspec`, at a prior acceptance SELF_DRAFT_PRIOR_ALPHA and the copy's measured c); else
+prompt lookup, whose drafts cost nothing, if some length pays with r(k) alone; else
 plain decoding (`autoregressive`). Every
 candidate is lossless with the default verifier, so `auto` is too. The choice and its reason are reported in
 the result's stats.
@@ -24,8 +26,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from accelgen.atomic import write_json_atomically
-from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, draft_cost_ratio, verify_ratios
+from accelgen.costs import MIN_GAIN, PRIOR_ALPHA, draft_cost_ratio, forward_seconds, verify_ratios
+from accelgen.hardware import timed
+from accelgen.heads.eagle import EagleHead
+from accelgen.heads.shipping import read_json, shipped_head
 from accelgen.models.loading import beside_weights
 from accelgen.profile import interpolate
 from accelgen.drafters.base import BuildContext
@@ -41,12 +48,15 @@ SELF_DRAFT_PRIOR_ALPHA = 0.9
 AUTO_FILE = "auto.json"
 
 
-def candidates(has_draft: bool) -> list[tuple[str, dict]]:
-    """(method, options) pairs a calibration compares; all use the default (lossless) verifier."""
+def candidates(has_draft: bool, has_head: bool = False) -> list[tuple[str, dict]]:
+    """(method, options) pairs a calibration compares; all use the default (lossless) verifier. has_head: an
+    EAGLE head ships for the target (the `eagle` candidates use it)."""
     with_draft = [("speculative", {"gamma": gamma}) for gamma in (3, 5, 8)]
     with_draft += [("speculative", {"gamma_schedule": "cost"}), ("specinfer", {}), ("cascade", {})]
+    with_head = [("eagle", {}), ("eagle", {"width": 4, "depth": 4, "max_nodes": 16})]
     model_free = [("pld", {}), ("trie-lookahead", {}), ("lookahead-decoding", {}), ("self-speculative", {})]
-    return [("autoregressive", {})] + (with_draft if has_draft else []) + model_free
+    return ([("autoregressive", {})] + (with_draft if has_draft else []) + (with_head if has_head else [])
+            + model_free)
 
 
 def draft_key(draft_model) -> str:
@@ -85,6 +95,11 @@ def uncalibrated_choice(target_model, draft_model, tokenizer=None) -> dict:
         cost_ratio = draft_cost_ratio(target_model, draft_model)
         measured += f", drafting a token c = {cost_ratio:.2f}"
         candidates.insert(0, ("speculative", cost_ratio, PRIOR_ALPHA, "draft-model speculation"))
+    elif (head_folder := shipped_eagle(target_model)) is not None:
+        cost_ratio = head_cost_ratio(target_model, EagleHead.load(head_folder, target_model))
+        alpha = round(shipped_top1(head_folder), 2)
+        measured += f", the shipped EAGLE head's draft step c = {cost_ratio:.2f}"
+        candidates.insert(0, ("eagle", cost_ratio, alpha, "drafting with the EAGLE head shipped for this model"))
     elif (quantized_copy := self_draft(target_model, tokenizer)) is not None:
         cost_ratio = draft_cost_ratio(target_model, quantized_copy)
         measured += f", its quantized copy drafting a token c = {cost_ratio:.2f}"
@@ -101,6 +116,38 @@ def uncalibrated_choice(target_model, draft_model, tokenizer=None) -> dict:
     return {"method": "autoregressive", "options": {},
             "reason": f"not calibrated (run `accelgen tune auto`): at a prior acceptance α = {PRIOR_ALPHA}, no draft "
                       f"length pays on this machine ({measured}): plain decoding"}
+
+
+def shipped_eagle(target_model) -> Path | None:
+    """The folder of the EAGLE head shipped for this target (heads/shipping.py), or None: none ships for it, or the
+    target runs on llama.cpp (which keeps none of the features the head reads)."""
+    if not isinstance(target_model, torch.nn.Module):
+        return None
+    return shipped_head(target_model, "eagle")
+
+
+@torch.inference_mode()
+def head_cost_ratio(target_model, head) -> float:
+    """c of an EAGLE head: one draft step (the head's layer over one token and its draft logits), timed here,
+    over one forward of the target (measured once, cached)."""
+    d = head.config.hidden_size
+    device, dtype = head.fc.weight.device, head.fc.weight.dtype
+    embeds, hidden = torch.zeros(1, 1, d, device=device, dtype=dtype), torch.zeros(1, 1, d, device=device, dtype=dtype)
+    positions = torch.zeros(1, 1, dtype=torch.long, device=device)
+    readout = head.vocab_logits if head.target_layers is not None else target_model.get_output_embeddings()
+
+    def step():
+        return readout(head(embeds, hidden, positions))
+
+    step()  # the first call pays for one-time set-up
+    seconds = min(timed(device, step)[1] for _ in range(5))
+    return seconds / forward_seconds(target_model)[1]
+
+
+def shipped_top1(folder: Path) -> float:
+    """The acceptance `auto` assumes of a shipped head: its held-out top-1 at draft depth 1 (its evaluation.json;
+    a tree accepts more, so this errs low), PRIOR_ALPHA where it recorded none."""
+    return float(read_json(folder / "evaluation.json").get("top1", PRIOR_ALPHA))
 
 
 def self_draft(target_model, tokenizer=None):

@@ -40,7 +40,9 @@ from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
 from accelgen.heads.eagle import EagleHead
 from accelgen.heads.lm_head import DraftLMHead
+from accelgen.heads.shipping import shipped_drafters, shipped_head
 from accelgen.models.block import Block
+from accelgen.models.embedded import EMBEDDED_MODELS
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
@@ -121,7 +123,7 @@ class EagleScorer:
 
 @dataclass(frozen=True)
 class EagleOptions(MethodOptions):
-    heads: str | None = None  # the trained head's folder
+    heads: str | None = None  # the trained head's folder (None: the head shipped for an embedded target)
     width: int = 8  # the dynamic tree: nodes expanded per level ...
     depth: int = 5  # ... levels ...
     max_nodes: int = 32  # ... and the best nodes kept
@@ -129,10 +131,12 @@ class EagleOptions(MethodOptions):
 
 
 def _make_eagle(build: BuildContext, options: EagleOptions) -> DraftTreeDrafter:
-    if not options.heads:
-        raise ValueError("eagle needs a trained EAGLE head: heads=FOLDER "
-                         "(from `accelgen train eagle --model M --out FOLDER`)")
-    head = EagleHead.load(options.heads, build.target_model)  # either recipe, checked to fit the target
+    folder = options.heads or shipped_head(build.target_model, "eagle")
+    if folder is None:
+        shipping = [name for name in EMBEDDED_MODELS if "eagle" in shipped_drafters(name)]
+        raise ValueError(f"eagle needs a trained EAGLE head: heads=FOLDER (from `accelgen train eagle --model M "
+                         f"--out FOLDER`); heads ship only for the embedded {', '.join(shipping) or 'none'}")
+    head = EagleHead.load(folder, build.target_model)  # either recipe, checked to fit the target
     reads_layers(build.target, head)
     scorer = EagleScorer(build.target, head)
     if options.paths:

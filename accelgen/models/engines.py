@@ -14,17 +14,22 @@ from accelgen.models.static import StaticRunner, static_cache_refusal
 CACHES = ("auto", "static", "dynamic")
 
 
-def runner_for(model, cache: str = "auto"):
+def runner_for(model, cache: str = "auto", compile: bool | str = "auto"):
     """A fresh runner over a model (a transformers model, or a GGUF file loaded by llama.cpp), its cache as
-    `cache` (one of CACHES) says."""
+    `cache` (one of CACHES) says. compile: the static runner's bucketed forwards through torch.compile, "auto" on
+    CUDA (models/static.py); True asks for the static cache where `cache` is "auto"."""
     if cache not in CACHES:
         raise ValueError(f"unknown cache {cache!r}; choose one of {', '.join(CACHES)}")
+    if compile is True and cache == "dynamic":
+        raise ValueError("compile=True compiles the static cache's forwards; cache='dynamic' runs them eagerly")
     if isinstance(model, LlamaCppModel):
         if cache == "static":
             raise ValueError("cache='static' is for PyTorch models; llama.cpp keeps its own cache")
+        if compile is True:
+            raise ValueError("compile=True is for PyTorch models; llama.cpp runs its own kernels")
         return model.new_runner()
-    if cache == "static" or cache == "auto" and on_cuda(model) and static_cache_refusal(model) is None:
-        return StaticRunner(model)
+    if cache == "static" or compile is True or cache == "auto" and on_cuda(model) and static_cache_refusal(model) is None:
+        return StaticRunner(model, compile=compile)
     return ModelRunner(model)
 
 

@@ -12,6 +12,9 @@ removes both from the target's forward:
   are exactly what an unpadded forward gives. So few shapes exist, and on CUDA each (bucket, kept states) is
   captured once as a CUDA graph over static input buffers and replayed: one launch per forward. Longer forwards
   (a prompt) run eagerly on the same cache.
+- **Compiled.** With compile (by default on CUDA) the bucketed forwards run through torch.compile (inductor)
+  and the graphs capture the compiled kernels: norms, rotary embeddings, activations and residuals fused. If
+  compiling fails the slot warns once and runs its forwards eagerly.
 
 The cache the model's attention modules see is `StaticCache`, which implements the one method they call,
 `update(key_states, value_states, layer_idx, ...)`; the 4-D mask makes the model build no mask of its own.
@@ -38,6 +41,7 @@ from accelgen.models.runner import ModelRunner
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FIRST_CAPACITY = 1024  # positions; doubled when a sequence needs more (up to the model's context)
 CACHED_PATTERNS = 256  # device copies of attention patterns kept per slot (a static tree's repeats every step)
+RECOMPILE_LIMIT = 64  # compiled variants of the forward: 2 per model and set of kept states (compiled_forward)
 
 
 def bucket_for(m: int) -> int | None:
@@ -101,6 +105,7 @@ class Slot:
         self.cache = StaticCache(model.config, capacity, model.dtype, model.device)
         self.graphed: dict[tuple, Graphed] = {}
         self.graphs_failed: str | None = None  # why capturing failed here: the slot's forwards then run eagerly
+        self.compile_failed: str | None = None  # why torch.compile failed here: the slot's forwards then run eager
         self.patterns: dict[tuple, torch.Tensor] = {}  # (rows, pattern bytes) -> (rows, width) additive mask
 
 
@@ -116,7 +121,7 @@ def take_slot(model, capacity: int) -> Slot:
 class StaticRunner(ModelRunner):
     """A ModelRunner over a StaticCache (see the module's docstring); graphs=True replays CUDA graphs (CUDA only)."""
 
-    def __init__(self, model, graphs: bool | None = None, capacity: int = FIRST_CAPACITY):
+    def __init__(self, model, graphs: bool | None = None, capacity: int = FIRST_CAPACITY, compile: bool | str = "auto"):
         refusal = static_cache_refusal(model)
         if refusal:
             raise ValueError(f"{refusal}: decode it with cache='dynamic'")
@@ -124,6 +129,7 @@ class StaticRunner(ModelRunner):
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.compile = compile_choice(compile, self.device)
         self.largest = self.max_positions + BUCKETS[-1]  # the context, and room for the widest bucket's padding
         self._length = 0
         self._take(min(capacity, self.largest))
@@ -152,7 +158,8 @@ class StaticRunner(ModelRunner):
         self.layer_hidden = None
 
     def describe(self) -> dict:
-        return {"cache": "static", "cuda_graphs": self.graphs and not self.slot.graphs_failed}
+        return {"cache": "static", "cuda_graphs": self.graphs and not self.slot.graphs_failed,
+                "compiled": self.compile and not self.slot.compile_failed}
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0,
@@ -223,8 +230,13 @@ class StaticRunner(ModelRunner):
             inputs["output_hidden_states"] = True
         return inputs
 
-    def _call(self, inputs: dict) -> tuple:
-        """The model's forward: (logits (1, m, vocab), final hidden (1, m, d) if kept, kept layers' inputs (m, k*d))."""
+    def _call(self, inputs: dict, compiled: bool = False) -> tuple:
+        """The model's forward (compiled: through torch.compile, else eager): (logits (1, m, vocab), final hidden
+        (1, m, d) if kept, kept layers' inputs (m, k*d))."""
+        if compiled and self.compile and not self.slot.compile_failed:
+            output = self._compiled(inputs)
+            if output is not None:
+                return self._outputs(output, output.hidden_states[-1] if self.keep_hidden else None)
         decoded = []
         hook = self.model.base_model.register_forward_hook(lambda module, args, output: decoded.append(output[0])) \
             if self.keep_hidden else None
@@ -233,6 +245,27 @@ class StaticRunner(ModelRunner):
         finally:
             if hook is not None:
                 hook.remove()
+        return self._outputs(output, decoded[0] if decoded else None)
+
+    def _compiled(self, inputs: dict):
+        """The model's output through its compiled forward; None (and a warning, once per slot) if torch.compile
+        cannot build it, after which the slot's forwards run eagerly. The final hidden state comes from
+        output_hidden_states (transformers records the final norm's output last): a hook would be traced as a
+        guard that changes every call."""
+        if self.keep_hidden:
+            inputs = {**inputs, "output_hidden_states": True}
+        try:
+            # every model, bucket and set of kept states is a cache entry of the one compiled function: more than
+            # torch's default limit of 8 per function, past which it would run the rest eagerly without a word
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled_forward()(self.model, inputs)
+        except Exception as error:  # whatever dynamo or inductor raise, the eager forward still runs
+            self.slot.compile_failed = f"{type(error).__name__}: {first_line(error)}"
+            warnings.warn(f"accelgen: torch.compile of {type(self.model).__name__}'s forward failed "
+                          f"({self.slot.compile_failed}); its forwards run eagerly on the static cache")
+            return None
+
+    def _outputs(self, output, hidden) -> tuple:
         layers = None
         if self.keep_layers:
             states = output.hidden_states
@@ -240,7 +273,7 @@ class StaticRunner(ModelRunner):
                 raise ValueError(f"{type(self.model).__name__} returned too few hidden states for the layers "
                                  f"{list(self.keep_layers)} the drafter reads")
             layers = torch.cat([states[index][0] for index in self.keep_layers], dim=-1)
-        return output.logits, (decoded[0] if decoded else None), layers
+        return output.logits, hidden, layers
 
     def _eager(self, token_ids, block: Block, logits_for_last: int, appended) -> tuple:
         m = block.pattern.shape[0]
@@ -266,16 +299,16 @@ class StaticRunner(ModelRunner):
         self.cache.write_positions = graphed.write_positions
         inputs = self._inputs(graphed.input_ids, graphed.position_ids, graphed.mask)
         if not self.graphs or self.slot.graphs_failed:
-            return self._call(inputs)
+            return self._call(inputs, compiled=True)
         if graphed.graph is None:
-            try:
-                graphed.graph, graphed.outputs = capture(lambda: self._call(inputs), self.device)
+            try:  # (the compiled forward is built in the capture's warm-up, before capturing)
+                graphed.graph, graphed.outputs = capture(lambda: self._call(inputs, compiled=True), self.device)
             except RuntimeError as error:  # an operation that cannot be captured (a host sync in the model's code)
                 self.slot.graphs_failed = str(error).splitlines()[0]
                 warnings.warn(f"accelgen: capturing a CUDA graph of {type(self.model).__name__} failed "
                               f"({self.slot.graphs_failed}); its forwards run eagerly on the static cache")
                 torch.cuda.synchronize(self.device)
-                return self._call(inputs)
+                return self._call(inputs, compiled=True)
         graphed.graph.replay()
         return graphed.outputs
 
@@ -304,6 +337,38 @@ class StaticRunner(ModelRunner):
                 self.slot.patterns.pop(next(iter(self.slot.patterns)))  # the oldest
             cached = self.slot.patterns[key] = additive.to(self.device, non_blocking=True)
         return cached
+
+
+def compile_choice(compile: bool | str, device: torch.device) -> bool:
+    """Whether the bucketed forwards run compiled: compile "auto" on CUDA (on the CPU inductor's C++ kernels take
+    longer to build than most generations take to run), or True / False anywhere."""
+    if compile == "auto":
+        return device.type == "cuda"
+    if isinstance(compile, bool):
+        return compile
+    raise ValueError(f"unknown compile {compile!r}; choose 'auto', True or False")
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else "no message"
+
+
+def _forward(model, inputs: dict):
+    return model(**inputs)
+
+
+_COMPILED_FORWARD = []  # one compiled function for every model: dynamo keeps its code per shape and model, and a
+# second torch.compile of the same function would compile it all again (its backend is another object)
+
+
+def compiled_forward():
+    """`model(**inputs)` compiled by inductor: per model and set of kept states, a graph for the one-token step and
+    one for the wider buckets, whose number of tokens turns dynamic once a second bucket comes (torch's automatic
+    dynamic shapes); measured on the CPU, 2 compiles per model (3 for the process's first)."""
+    if not _COMPILED_FORWARD:
+        _COMPILED_FORWARD.append(torch.compile(_forward, backend="inductor"))
+    return _COMPILED_FORWARD[0]
 
 
 def capture(call, device: torch.device) -> tuple:

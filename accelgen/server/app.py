@@ -16,6 +16,7 @@ import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
@@ -49,6 +50,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
     add_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        body_timeout_seconds=config.body_timeout_seconds)
+    if config.allowed_origins:  # added last, so outermost: a browser's preflight needs no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     add_model_routes(app, service)
     add_completion_routes(app, service)
 
@@ -71,14 +75,14 @@ def add_model_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [service.model_card()]}
+        return {"object": "list", "data": [service.model_card(name) for name in config.served_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != config.model_name:
-            raise APIError(404, f"model {model_id!r} does not exist here; this server serves {config.model_name!r}",
-                           param="model")
-        return service.model_card()
+        if model_id not in config.served_names:
+            raise APIError(404, f"model {model_id!r} does not exist here; this server serves "
+                                f"{', '.join(map(repr, config.served_names))}", param="model")
+        return service.model_card(model_id)
 
 
 def add_completion_routes(app: FastAPI, service: Service) -> None:

@@ -20,6 +20,13 @@ class ServerConfig:
     max_concurrent: int = 64  # requests waiting or running; more get 429
     shutdown_grace_seconds: float = 30.0  # in-flight requests may finish within it; then they are aborted
     body_timeout_seconds: float = 10.0  # a POST body must arrive within it (408 otherwise)
+    aliases: tuple[str, ...] = ()  # other names requests may give in `model` (vLLM's --served-model-name)
+    allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins allowed ("*": any; none: no CORS headers)
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names /v1/models lists and requests may use; replies carry the first."""
+        return [self.model_name] + [name for name in self.aliases if name != self.model_name]
 
     def __post_init__(self):
         if self.api_key == "":

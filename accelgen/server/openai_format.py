@@ -51,7 +51,8 @@ class Reply:
     def opening_chunks(self) -> list[dict]:
         """A stream's first chunks: chat announces the role of each choice; an echoed completion sends the prompt."""
         if self.chat:
-            return [self._envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+            return [self._envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant",
+                                                                                    "content": self.echo},
                                                               "logprobs": None, "finish_reason": None}])
                     for i in range(self.n)]
         return [self.chunk(i, self.echo) for i in range(self.n)] if self.echo else []
@@ -89,7 +90,7 @@ class Reply:
         call = parse_tool_call(result.text, self.shape.tools) if self.shape.tools else None
         if call is not None:
             return {"role": "assistant", "content": None, "tool_calls": openai_tool_calls(call)}, "tool_calls"
-        return {"role": "assistant", "content": result.text}, openai_finish_reason(result.finish_reason)
+        return {"role": "assistant", "content": self.echo + result.text}, openai_finish_reason(result.finish_reason)
 
     def final(self, results: list[GenerationResult], entries: list[list[dict] | None]) -> dict:
         choices = []

@@ -3,8 +3,13 @@ the sampling arguments Sequence.start takes. What a body can hold but this serve
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+
 import jsonschema
 
+from accelgen.processors import AllowedTokens, MinP
+from accelgen.prompts import encode_prompt, eos_token_ids
 from accelgen.server.config import ServerConfig
 from accelgen.server.errors import APIError
 from accelgen.server.schemas import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatBody, ChatMessage, CompletionBody,
@@ -15,6 +20,93 @@ from accelgen.server.tools import call_constraint, chosen_tools
 UNSUPPORTED_UNLESS_NEUTRAL = {  # field -> the values that mean "not used"
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
 }
+# vLLM's extra fields with no counterpart here: field -> (the values that mean "not used", why the rest is refused)
+NOT_GUIDED = "accelgen constrains output by JSON schema only (response_format or guided_json)"
+VLLM_UNSUPPORTED_UNLESS_NEUTRAL = {
+    "use_beam_search": ((False,), "beam search is not implemented here"),
+    "length_penalty": ((1.0,), "length_penalty applies to beam search, which is not implemented here"),
+    "prompt_logprobs": ((None,), "the prompt's tokens have no logprobs here"),
+    "logits_processors": ((None, []), "a request may not name code for the server to load"),
+    "return_tokens_as_token_ids": ((None, False), "logprobs name tokens by their text here"),
+    "return_token_ids": ((None, False), "replies carry text, not token ids"),
+    "guided_regex": ((None,), NOT_GUIDED), "guided_choice": ((None,), NOT_GUIDED),
+    "guided_grammar": ((None,), NOT_GUIDED), "structural_tag": ((None,), NOT_GUIDED),
+    "guided_whitespace_pattern": ((None,), "the JSON grammar decides the whitespace it allows"),
+    "priority": ((0,), "requests are served in arrival order (no priority scheduling)"),
+    "kv_transfer_params": ((None,), "there is no disaggregated prefill here"),
+    "vllm_xargs": ((None, {}), "no plugin here reads vllm_xargs"),
+    "mm_processor_kwargs": ((None, {}), "only text is served here"),
+    "prompt_embeds": ((None,), "prompts are text or token ids here"),
+}
+TEMPLATE_OPTIONS = {  # ChatBody field -> its default: any other value renders the messages here (chat_prompt)
+    "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False, "documents": None,
+    "chat_template": None, "chat_template_kwargs": None,
+}
+
+
+@dataclass
+class PromptText:
+    """How a request's prompt is tokenized and its answer read (vLLM's fields): the chat template's arguments,
+    special tokens, truncation; Output.set_text_options' arguments; the reply's id."""
+
+    template: dict | None = None  # apply_chat_template's arguments (None: encode_prompt's defaults)
+    add_special_tokens: bool | None = None  # None: encode_prompt's default
+    truncate: int | None = None  # keep this many prompt tokens
+    truncation_side: str = "left"
+    output: dict = field(default_factory=dict)
+    request_id: str | None = None
+
+
+def check_neutral(body: RequestBody) -> None:
+    """Refuse, by name and with the reason, a field this server accepts only at the value that means "not used"."""
+    for name, value in body:
+        if name in UNSUPPORTED_UNLESS_NEUTRAL and value not in UNSUPPORTED_UNLESS_NEUTRAL[name]:
+            raise APIError(400, f"{name}={value!r} is not supported", param=name)
+        if name in VLLM_UNSUPPORTED_UNLESS_NEUTRAL:
+            neutral, why = VLLM_UNSUPPORTED_UNLESS_NEUTRAL[name]
+            if value not in neutral:
+                raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name)
+
+
+def prompt_text(body: RequestBody, config: ServerConfig) -> PromptText:
+    """The PromptText of a checked request."""
+    truncate = body.truncate_prompt_tokens
+    if truncate == 0:
+        raise APIError(400, "truncate_prompt_tokens must be >= 1 (or -1: the server's limit)",
+                       param="truncate_prompt_tokens")
+    if truncate is not None and truncate > config.max_prompt_tokens:
+        raise APIError(400, f"truncate_prompt_tokens {truncate} is over this server's prompt limit of "
+                            f"{config.max_prompt_tokens} (--max-model-len)", param="truncate_prompt_tokens")
+    text = PromptText(truncate=config.max_prompt_tokens if truncate == -1 else truncate,
+                      truncation_side=body.truncation_side or "left", request_id=body.request_id,
+                      output=dict(skip_special_tokens=body.skip_special_tokens,
+                                  spaces_between_special_tokens=body.spaces_between_special_tokens,
+                                  include_stop=body.include_stop_str_in_output, min_tokens=body.min_tokens))
+    if isinstance(body, ChatBody):
+        if any(getattr(body, name) != default for name, default in TEMPLATE_OPTIONS.items()):
+            text.template = {name: getattr(body, name) for name in TEMPLATE_OPTIONS}
+    elif not body.add_special_tokens:
+        text.add_special_tokens = False
+    return text
+
+
+def prompt_ids(tokenizer, prompt, text: PromptText):
+    """The prompt as Sequence.start takes it: as given, or token ids where the request's PromptText says how
+    to tokenize or truncate it. Raises ValueError (a 400) where the chat template refuses its arguments."""
+    if text.template is not None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        options = dict(text.template)
+        add_special_tokens = options.pop("add_special_tokens")
+        kwargs = options.pop("chat_template_kwargs") or {}
+        if options["documents"] is None:
+            options.pop("documents")
+        rendered = tokenizer.apply_chat_template(prompt, tokenize=False, **kwargs, **options)
+        prompt = tokenizer(rendered, add_special_tokens=add_special_tokens).input_ids
+    elif text.add_special_tokens is False and isinstance(prompt, str):
+        prompt = tokenizer(prompt, add_special_tokens=False).input_ids
+    if text.truncate is None:
+        return prompt
+    ids = encode_prompt(tokenizer, prompt)
+    return ids[-text.truncate:] if text.truncation_side == "left" else ids[: text.truncate]
 
 
 def completion_prompt(body: CompletionBody):
@@ -40,6 +132,9 @@ def chat_request(body: ChatBody, config: ServerConfig) -> tuple[list[dict], Shap
         raise APIError(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
     if body.tools and response_constraint(body.response_format) is not None:
         raise APIError(400, "give tools or a JSON response_format, not both", param="response_format")
+    if body.tools and any(getattr(body, name) != default for name, default in TEMPLATE_OPTIONS.items()):
+        raise APIError(400, f"the chat template options ({', '.join(TEMPLATE_OPTIONS)}) cannot be combined with "
+                            "tools here", param="tools")
     messages = [chat_message(m) for m in body.messages]
     tools = body.tools or []
     try:
@@ -49,6 +144,8 @@ def chat_request(body: ChatBody, config: ServerConfig) -> tuple[list[dict], Shap
     shape = Shape(chat=True, logprobs=(body.top_logprobs or 0) if body.logprobs else None, described_tools=tools,
                   tools=[] if body.tool_choice == "none" else callable_tools,
                   forced_call=call_constraint(tools, body.tool_choice) if tools else None)
+    if body.echo and messages[-1]["role"] == "assistant":  # vLLM's: the answer continues that message
+        shape.chat_echo = messages[-1]["content"]
     return messages, shape
 
 
@@ -110,17 +207,81 @@ def check_stop(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def sampling_options(body: RequestBody, shape: Shape, max_tokens: int, stop: list[str]) -> dict:
+def sampling_options(body: RequestBody, shape: Shape, max_tokens: int, stop: list[str], config: ServerConfig) -> dict:
     """Sequence.start's arguments for this request; the extensions beyond plain sampling only where used."""
-    options = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                   stop=stop)
+    options = dict(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                   top_k=max(body.top_k, 0), stop=stop)  # vLLM's top_k -1 is accelgen's 0: off
+    options.update(vllm_sampling(body, max_tokens, config))
     if body.presence_penalty:
         options["presence_penalty"] = body.presence_penalty
     if body.frequency_penalty:
         options["frequency_penalty"] = body.frequency_penalty
     if shape.logprobs is not None:
         options["logprobs"] = shape.logprobs
-    constraint = shape.forced_call or response_constraint(body.response_format)
+    constraint = shape.forced_call or response_constraint(guided_format(body))
     if constraint is not None:
         options["response_format"] = constraint
     return options
+
+
+def vllm_sampling(body: RequestBody, max_tokens: int, config: ServerConfig) -> dict:
+    """Sequence.start's arguments for vLLM's sampling fields, where they are used."""
+    options = {}
+    if body.repetition_penalty != 1.0:
+        options["repetition_penalty"] = body.repetition_penalty
+    if body.min_tokens:
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens {body.min_tokens} is over max_tokens {max_tokens}", param="min_tokens")
+        options["min_new_tokens"] = body.min_tokens
+    vocab_size = config.model.config.vocab_size
+    outside = [token for token in body.stop_token_ids or [] if not 0 <= token < vocab_size]
+    if outside:
+        raise APIError(400, f"stop_token_ids holds {outside[0]}, not a token id of this model (0..{vocab_size - 1})",
+                       param="stop_token_ids")
+    if body.ignore_eos or body.stop_token_ids:  # stop_token_ids end generation as EOS does (and ignore_eos keeps them)
+        eos = set() if body.ignore_eos else eos_token_ids(config.model, config.tokenizer)
+        options["eos_ids"] = eos | set(body.stop_token_ids or [])
+    if body.bad_words:
+        options["bad_words_ids"] = bad_words_ids(config.tokenizer, body.bad_words)
+    processors = []
+    if body.min_p and body.temperature > 0:  # greedy decoding keeps the most likely token, which min_p never drops
+        processors.append(MinP(body.min_p, body.temperature))
+    if body.allowed_token_ids is not None:
+        try:
+            processors.append(AllowedTokens(body.allowed_token_ids, vocab_size))
+        except ValueError as error:
+            raise APIError(400, str(error), param="allowed_token_ids") from None
+    if processors:
+        options["logits_processors"] = processors
+    return options
+
+
+def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word alone and after a space (how it appears mid-sentence)."""
+    sequences = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def guided_format(body: RequestBody) -> dict | None:
+    """The response_format, or vLLM's guided_json (structured_outputs.json) as one."""
+    schema = body.guided_json
+    if body.structured_outputs is not None:
+        if set(body.structured_outputs) - {"json"}:
+            raise APIError(400, f"structured_outputs {sorted(body.structured_outputs)} is not supported: "
+                                f"{NOT_GUIDED}", param="structured_outputs")
+        schema = body.structured_outputs.get("json", schema)
+    if schema is None:
+        return body.response_format
+    if body.response_format is not None:
+        raise APIError(400, "give response_format or guided_json, not both", param="guided_json")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise APIError(400, f"guided_json is not JSON: {error}", param="guided_json") from None
+    return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}

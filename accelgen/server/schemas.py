@@ -37,13 +37,46 @@ class RequestBody(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
-    top_k: int = Field(default=0, ge=0)  # an extension (as vLLM's): 0 keeps every token
+    top_k: int = Field(default=0, ge=-1)  # an extension (vLLM's): 0 or -1 keeps every token
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     response_format: dict | None = None
     # OpenAI fields accepted at their neutral values only (clients often send them); anything else is refused
     logit_bias: dict | None = None
     method: str | None = None  # accelgen's extra field: the generation method
+    # vLLM's extra parameters (docs/server.md, "For vLLM users"): honoured, or refused by name where accelgen has
+    # no counterpart (VLLM_UNSUPPORTED_UNLESS_NEUTRAL in request_checks.py)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # -1: the server's --max-model-len
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: str | dict | None = None
+    guided_decoding_backend: str | None = None  # accepted: accelgen's own grammar engine constrains
+    request_id: str | None = None
+    cache_salt: str | None = None  # accepted: no cache is shared between requests here, so nothing to salt
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: int | None = None
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    structured_outputs: dict | None = None
+    priority: int = 0
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
 
 
 class CompletionBody(RequestBody):
@@ -52,6 +85,8 @@ class CompletionBody(RequestBody):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (or other special tokens) before the prompt
+    prompt_embeds: str | list | None = None  # vLLM's; refused (request_checks.py)
 
 
 class ContentPart(BaseModel):
@@ -77,6 +112,15 @@ class ChatBody(RequestBody):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; an answer makes at most one call
+    # vLLM's chat extras: how the chat template renders the messages (request_checks.chat_prompt)
+    echo: bool = False  # the last message's content before the answer, when it is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None
 
 
 @dataclass
@@ -90,3 +134,4 @@ class Shape:
     described_tools: list[Tool] = field(default_factory=list)  # in the prompt
     tools: list[Tool] = field(default_factory=list)  # those an answer may call (tool_choice "none": none)
     forced_call: dict | None = None  # the constraint of tool_choice "required" or a named tool (tools.py)
+    chat_echo: str = ""  # chat with vLLM's echo: the last (assistant) message, which the answer continues

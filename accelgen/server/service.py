@@ -19,7 +19,7 @@ from accelgen.server.engine import Engine, Request
 from accelgen.server.errors import APIError
 from accelgen.server.metrics import Metrics
 from accelgen.server.openai_format import Reply, logprob_entries, sse
-from accelgen.server.request_checks import UNSUPPORTED_UNLESS_NEUTRAL, check_stop, sampling_options
+from accelgen.server.request_checks import PromptText, check_neutral, check_stop, prompt_ids, prompt_text, sampling_options
 from accelgen.server.schemas import RequestBody, Shape
 from accelgen.server.tools import render_tool_prompt
 from accelgen.train.online import OnlineLearner
@@ -76,20 +76,22 @@ class Service:
     admission: Admission
     metrics: Metrics
 
-    def model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "accelgen",
+    def model_card(self, name: str | None = None) -> dict:
+        """The card of the model under one of its served names (default: the first)."""
+        return {"id": name or self.config.model_name, "object": "model", "created": 0, "owned_by": "accelgen",
                 "methods": sorted(self.methods)}
 
     async def serve(self, body: RequestBody, prompt, http: HTTPRequest, shape: Shape):
         arrived = time.monotonic()  # for the latency histograms
-        method, options = self.checked(body, prompt, shape)
+        method, options, text = self.checked(body, prompt, shape)
         # slots are taken here, one per choice, before any work, atomically (checking the engine's load instead let
         # a burst through while its requests were being prepared); the engine gives each back when it answers
         if not self.admission.take(body.n):
             raise APIError(429, f"server busy: {self.config.max_concurrent} requests in flight, try again later",
                            "rate_limit_error")
         try:
-            requests, events, reply = await self.submit(prompt, method, options, body.n, body.seed, shape, arrived)
+            requests, events, reply = await self.submit(prompt, method, options, body.n, body.seed, shape, arrived,
+                                                        text)
         except BaseException:  # refused before the engine had them
             self.admission.give_back(body.n)
             raise
@@ -98,15 +100,14 @@ class Service:
             return StreamingResponse(stream_events(requests, events, reply, include_usage), media_type="text/event-stream")
         return JSONResponse(await collect(requests, events, reply, http))
 
-    def checked(self, body: RequestBody, prompt, shape: Shape) -> tuple[str, dict]:
-        """(the method, Sequence.start's sampling arguments) of a request this server can serve, else APIError."""
+    def checked(self, body: RequestBody, prompt, shape: Shape) -> tuple[str, dict, PromptText]:
+        """(the method, Sequence.start's sampling arguments, how the prompt is read) of a request this server can
+        serve, else APIError."""
         config = self.config
-        if body.model is not None and body.model != config.model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {config.model_name!r}",
-                           param="model")
-        for name, value in body:
-            if name in UNSUPPORTED_UNLESS_NEUTRAL and value not in UNSUPPORTED_UNLESS_NEUTRAL[name]:
-                raise APIError(400, f"{name}={value!r} is not supported", param=name)
+        if body.model is not None and body.model not in config.served_names:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves "
+                                f"{', '.join(map(repr, config.served_names))}", param="model")
+        check_neutral(body)
         method = body.method or config.method
         if method not in self.methods:
             raise APIError(400, f"method {method!r} is not available; choose from {', '.join(sorted(self.methods))}",
@@ -119,12 +120,15 @@ class Service:
         stop = check_stop(body.stop)
         if prompt == "" or prompt == []:
             raise APIError(400, "empty prompt", param="prompt")
-        return method, sampling_options(body, shape, max_tokens, stop)
+        return method, sampling_options(body, shape, max_tokens, stop, config), prompt_text(body, config)
 
-    async def submit(self, prompt, method: str, options: dict, n: int, seed: int | None, shape: Shape, arrived: float):
+    async def submit(self, prompt, method: str, options: dict, n: int, seed: int | None, shape: Shape, arrived: float,
+                     text: PromptText | None = None):
         """Prepare the n sequences and hand them to the engine: (requests, their event queue, the reply shaper)."""
+        text = text or PromptText()
         try:
-            sequences, echo = await asyncio.to_thread(self.start_sequences, prompt, method, options, n, seed, shape)
+            sequences, echo = await asyncio.to_thread(self.start_sequences, prompt, method, options, n, seed, shape,
+                                                      text)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
         except TemplateError as error:  # the chat template refused the conversation (e.g. the order of roles)
@@ -132,6 +136,8 @@ class Service:
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         reply = Reply(self.config.model_name, method, shape, sequences[0].prompt_tokens, n, echo)
+        if text.request_id:  # vLLM's: the reply's id names the client's request
+            reply.id = ("chatcmpl-" if shape.chat else "cmpl-") + text.request_id
         requests = [Request(sequence, self.emitter(events, loop, arrived, i), method)
                     for i, sequence in enumerate(sequences)]
         try:
@@ -144,14 +150,15 @@ class Service:
         return requests, events, reply
 
     def start_sequences(self, prompt, method: str, options: dict, n: int, seed: int | None,
-                        shape: Shape) -> tuple[list[Sequence], str]:
+                        shape: Shape, text: PromptText | None = None) -> tuple[list[Sequence], str]:
         """The request's n sequences, choice i seeded with seed + i, and the prompt text to echo ("" if none)."""
         config = self.config
         with self.engine.lock:  # the tokenizer and shared drafter state are the engine's while it steps
             ids = prompt
             if shape.described_tools:  # (tools.py)
-                text = render_tool_prompt(config.tokenizer, prompt, shape.described_tools)
-                ids = config.tokenizer(text, add_special_tokens=False).input_ids
+                rendered = render_tool_prompt(config.tokenizer, prompt, shape.described_tools)
+                ids = config.tokenizer(rendered, add_special_tokens=False).input_ids
+            ids = prompt_ids(config.tokenizer, ids, text or PromptText())
             sequences = []
             try:
                 for i in range(n):
@@ -159,6 +166,8 @@ class Service:
                                                     draft_model=config.draft_model,
                                                     seed=None if seed is None else seed + i,
                                                     **options, **self.methods[method]))
+                    if text is not None and text.output:
+                        sequences[-1].output.set_text_options(**text.output)
                     if sequences[-1].prompt_tokens > config.max_prompt_tokens:
                         raise APIError(400, f"prompt has {sequences[-1].prompt_tokens} tokens, over this server's "
                                             f"limit of {config.max_prompt_tokens}", param="prompt")
@@ -166,7 +175,10 @@ class Service:
                 for sequence in sequences:
                     sequence.finish()
                 raise
-            echo = "" if not shape.echo else prompt if isinstance(prompt, str) else config.tokenizer.decode(prompt)
+            if shape.chat:
+                echo = shape.chat_echo
+            else:
+                echo = "" if not shape.echo else prompt if isinstance(prompt, str) else config.tokenizer.decode(prompt)
             return sequences, echo
 
     def emitter(self, events: asyncio.Queue, loop: asyncio.AbstractEventLoop, arrived: float, index: int):

@@ -97,6 +97,9 @@ class EagleConfig:
                                                             "training-time test, its own draft LM head)."})
     ttt_steps: int = field(default=7, metadata={"help": "eagle3: steps the head is unrolled on its own outputs."})
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle3: weight of unrolled step k's loss is decay^k."})
+    warmup_steps: int = field(default=0, metadata={"help": "Steps over which the learning rate rises linearly to "
+                                                           "its value (e.g. 20 with --resume-from: a fresh "
+                                                           "optimizer on trained weights)."})
 
     def __post_init__(self):
         if min(self.steps, self.batch_size, self.ce_positions, self.checkpoint_every) < 1 or self.learning_rate <= 0:
@@ -106,6 +109,8 @@ class EagleConfig:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.recipe not in ("eagle1", "eagle3"):
             raise ValueError(f"recipe must be one of eagle1, eagle3, got {self.recipe!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.ttt_steps < 1 or not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], got {self.ttt_steps}, {self.ttt_decay}")
 
@@ -171,16 +176,23 @@ def ttt_loss(head: Eagle3Head, token_embeds: torch.Tensor, states: torch.Tensor,
 def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: EagleConfig,
                 out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
                 on_step: Callable[[int, Callable], None] | None = None,
-                scale: ScaleOut | None = None) -> tuple[EagleHead, dict]:
+                scale: ScaleOut | None = None, start_head: EagleHead | None = None) -> tuple[EagleHead, dict]:
     """Train a head on windows (count, n), the target's features (count, n, d; eagle3: its three layers' states,
     (count, n, 3d)) and choices (count, n); with out_dir, checkpointed there and resumed from its checkpoint.
     on_step(step, drafting_head) is called after each step; drafting_head() gives the head as it would be saved
-    (learning curves). scale: processes, precision, accumulation (train/loop.py).
+    (learning curves). scale: processes, precision, accumulation (train/loop.py). start_head: a trained head of
+    the recipe (`load_start_head`) to go on training, its draft vocabulary kept, in place of a new one.
     Returns (head, {"resumed_at", "seconds", "processes"})."""
     if config.recipe == "eagle3":
-        return train_eagle3(model, windows, features, choices, config, out_dir, seed, progress, on_step, scale)
-    head = new_head(model)
-    vocab = draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab) if config.draft_vocab else None
+        return train_eagle3(model, windows, features, choices, config, out_dir, seed, progress, on_step, scale,
+                            start_head)
+    if start_head is not None:
+        head, vocab = start_head, (start_head.vocab if len(start_head.vocab) else None)
+        head.vocab = torch.zeros(0, dtype=torch.long)  # the checkpoints hold the head without its vocabulary
+    else:
+        head = new_head(model)
+        vocab = (draft_vocabulary(windows, choices, model.config.vocab_size, config.draft_vocab)
+                 if config.draft_vocab else None)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
     device = training_device(scale)
     model.to(device)
@@ -211,12 +223,27 @@ def train_eagle(model, windows: torch.Tensor, features: torch.Tensor, choices: t
         return loss, {"regression": float(regression.detach()),
                       "accuracy": float((logits.argmax(-1) == goal).float().mean())}
 
-    times = run_training(head, optimizer, config.steps, draw, loss_of, scale=scale,
+    times = run_training(head, optimizer, config.steps, draw, loss_of, scale=scale, warmup_steps=config.warmup_steps,
                          checkpointing=checkpointing_of(config, out_dir, "EAGLE"), max_grad_norm=0.5,
                          tokens_per_row=length, progress=progress,
                          after_step=None if on_step is None else
                          lambda step: on_step(step, lambda: with_vocabulary(head, vocab)))
     return with_vocabulary(head, vocab).eval(), times
+
+
+def load_start_head(folder, model, config: EagleConfig):
+    """The head saved in folder, in float32 on the CPU, to go on training for `model` with config: refused by
+    name where it does not fit the model, is of another recipe, or reads other layers than config would train."""
+    from accelgen.heads.io import check_fits
+
+    head = EagleHead.load(folder)
+    check_fits(head.describe_shape(), model, f"the head in {folder} (trained for {head.base_model or 'another model'})")
+    if head.recipe != config.recipe:
+        raise ValueError(f"the head in {folder} is an {head.recipe} head; resume it with --recipe {head.recipe}")
+    if head.target_layers is not None and tuple(head.target_layers) != target_layers_for(model):
+        raise ValueError(f"the head in {folder} reads layers {list(head.target_layers)}, this trainer's features "
+                         f"are layers {list(target_layers_for(model))}")
+    return head.float().train()
 
 
 def checkpointing_of(config: EagleConfig, out_dir, what: str) -> Checkpointing:
@@ -240,16 +267,19 @@ def with_vocabulary(head: EagleHead, vocab: torch.Tensor | None) -> EagleHead:
 def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: torch.Tensor, config: EagleConfig,
                  out_dir=None, seed: int = 0, progress: Callable[[dict], None] | None = None,
                  on_step: Callable[[int, Callable], None] | None = None,
-                 scale: ScaleOut | None = None) -> tuple[Eagle3Head, dict]:
+                 scale: ScaleOut | None = None, start_head: Eagle3Head | None = None) -> tuple[Eagle3Head, dict]:
     """The eagle3 recipe of train_eagle: states (count, n, 3d) are the target's three layers (collect_layer_states
     at target_layers_for(model)); the loss is ttt_loss."""
     width = 3 * model.config.hidden_size
     if states.shape[-1] != width:
         raise ValueError(f"EAGLE-3 trains on three layers' states side by side ({width} wide), got {states.shape[-1]}: "
                          f"collect them with collect_layer_states")
-    vocab = draft_vocabulary(windows, choices, model.config.vocab_size,
-                             config.draft_vocab or model.config.vocab_size)
-    head = new_eagle3_head(model, vocab, target_layers_for(model))
+    if start_head is not None:
+        head = start_head
+    else:
+        vocab = draft_vocabulary(windows, choices, model.config.vocab_size,
+                                 config.draft_vocab or model.config.vocab_size)
+        head = new_eagle3_head(model, vocab, target_layers_for(model))
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.learning_rate)
     labels = head.label_index(choices)  # (count, n) draft ids, -100 outside the draft vocabulary
     model.to(training_device(scale))
@@ -267,7 +297,7 @@ def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: to
                                   config.ttt_decay)
         return loss, {"regression": 0.0, "accuracy": accuracy[0], "accuracy_per_step": accuracy}
 
-    times = run_training(head, optimizer, config.steps, draw, loss_of, scale=scale,
+    times = run_training(head, optimizer, config.steps, draw, loss_of, scale=scale, warmup_steps=config.warmup_steps,
                          checkpointing=checkpointing_of(config, out_dir, "EAGLE-3"), max_grad_norm=0.5,
                          tokens_per_row=windows.shape[1] - 1, progress=progress,
                          after_step=None if on_step is None else lambda step: on_step(step, lambda: head))

@@ -176,15 +176,17 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
                  scale: ScaleOut | None = None, checkpointing: Checkpointing | None = None,
                  max_grad_norm: float | None = None, tokens_per_row: int = 1,
                  progress: Callable[[dict], None] | None = None,
-                 after_step: Callable[[int], None] | None = None) -> dict:
+                 after_step: Callable[[int], None] | None = None, warmup_steps: int = 0) -> dict:
     """Train module's parameters in optimizer for `steps` steps (from its checkpoint's step, if it has one),
     step s on draw(s), stopping early once scale.max_minutes have passed; returns {"resumed_at", "stopped_at" (the
     steps done, counting those before a resume), "seconds", "processes"}.
 
     progress(row) gets {"step", "steps", "loss", "seconds", "tokens_per_second", **metrics} after each step (first
     process only, metrics being loss_of's averaged over its rows); after_step(s) runs after step s, and at 0 before
-    a run that starts untrained (first process only: learning curves)."""
+    a run that starts untrained (first process only: learning curves). warmup_steps: the learning rate rises
+    linearly to the optimizer's over that many first steps (a fresh optimizer on trained weights needs it)."""
     scale = scale or ScaleOut()
+    learning_rates = [group["lr"] for group in optimizer.param_groups]  # before a checkpoint's state is loaded
     accelerator = accelerator_for(scale)
     module.to(accelerator.device)
     checkpoint = checkpointing.path if checkpointing is not None else None
@@ -197,6 +199,8 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
     started = time.perf_counter()
     rows_done, stopped_at = 0, start
     for step in range(start, steps):
+        for group, learning_rate in zip(optimizer.param_groups, learning_rates):
+            group["lr"] = learning_rate * min(1.0, (step + 1) / warmup_steps) if warmup_steps else learning_rate
         batch = draw(step)
         rows = batch_rows(batch)
         if rows < processes * scale.grad_accum:

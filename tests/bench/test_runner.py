@@ -23,15 +23,6 @@ PNG_MAGIC = b"\x89PNG"
 ALL_PEERS = ["hf-greedy", "hf-assisted", "hf-prompt-lookup", "autoregressive", "speculative"]
 
 
-@pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    lines = [{"id": "code", "category": "coding", "prompt": "def add(a, b):\n    return a + b\n\ndef add"},
-             {"id": "chat", "category": "writing", "turns": ["Write a haiku about the sea."]}]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
 def bench(tmp_path, prompts_file, model, tokenizer, draft_model=None, out="out", **config):
     settings = {"model": "tiny", "dataset": f"jsonl:{prompts_file}", "draft": "tiny" if draft_model is not None else None,
                 "max_new_tokens": 8, "warmup": False, **config}
@@ -199,6 +190,18 @@ def test_resolve_methods():
         assert chosen[1].name == given[0]
     with pytest.raises(ValueError, match="options given for 'speculative'"):
         rows.resolve_methods(["autoregressive"], set(), 0, {"speculative": {"gamma": 3}})
+
+
+def test_a_head_shipped_for_the_runs_model_meets_its_methods_need():
+    from accelgen.bench.runner import shipped_heads
+
+    assert shipped_heads("smollm2-135m") == {"heads:eagle"} and shipped_heads("some/model") == set()
+    chosen, _ = rows.resolve_methods(["eagle"], shipped_heads("smollm2-135m"), 0)
+    assert [m.name for m in chosen] == ["hf-greedy", "eagle"]
+    with pytest.raises(ValueError, match="'medusa' needs heads"):  # no Medusa heads ship
+        rows.resolve_methods(["medusa"], shipped_heads("smollm2-135m"), 0)
+    with pytest.raises(ValueError, match="'eagle' needs heads"):
+        rows.resolve_methods(["eagle"], shipped_heads("qwen2.5-coder-1.5b"), 0)
 
 
 def test_variants_sweep_a_lossy_method_in_one_run(tmp_path, prompts_file, tiny_target, tiny_draft, tokenizer):

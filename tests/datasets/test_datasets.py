@@ -148,6 +148,25 @@ def test_packaged_humaneval_and_sharegpt():
     assert load_dataset("sharegpt", limit=3) == sharegpt
 
 
+def test_sharegpt_train_holds_none_of_the_benchmarks_prompts():
+    training = load_dataset("sharegpt-train", limit=200)
+    assert len(training) == 200 and all(p.chat and p.category == "sharegpt" for p in training)
+    assert not {p.id for p in training} & {p.id for p in load_dataset("sharegpt")}
+    assert load_dataset("sharegpt-train", limit=5) == training[:5]
+
+
+def test_datasets_joined_by_commas_give_their_texts_in_turn(tmp_path):
+    from accelgen.cli.datastore import dataset_texts
+
+    for name, count in (("a", 3), ("b", 1)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(count)))
+    joined = f"jsonl:{tmp_path / 'a.jsonl'},jsonl:{tmp_path / 'b.jsonl'}"
+    assert list(dataset_texts(joined)) == ["a0", "b0", "a1", "a2"]
+    assert list(dataset_texts(joined, limit=3)) == ["a0", "b0", "a1"]
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        list(dataset_texts(f"{joined},nope"))
+
+
 def test_humaneval_long_puts_solved_tasks_before_each_prompt():
     long = load_dataset("humaneval-long", limit=2)
     short = load_dataset("humaneval", limit=3)

@@ -105,3 +105,17 @@ def test_calibration_keeps_plain_decoding_when_nothing_beats_it(make_tiny_model,
     result = tune_auto(make_tiny_model("qwen2"), tokenizer, [PROMPT], max_new_tokens=4)
     assert result["method"] == "autoregressive" and result["options"] == {}
     assert result["reason"].startswith("no candidate beat plain decoding") and "0.80×" in result["reason"]
+
+
+@pytest.mark.parametrize("ratios, chosen", [(FLAT, "eagle"), (AVX2, "autoregressive")])
+def test_uncalibrated_auto_considers_the_head_shipped_for_an_embedded_model(measured_costs, smollm, assert_lossless,
+                                                                           ratios, chosen):
+    """SmolLM2 ships an EAGLE head: auto weighs it at the head's recorded top-1 and its draft step's timed cost, and
+    drafts with it where verification is cheap (a GPU's flat r(k)), not where it is not (an AVX2 CPU's)."""
+    model, tokenizer = smollm
+    measured_costs({model: (0.2, ratios)})
+    result = assert_lossless(model, tokenizer, [{"role": "user", "content": "Name three colors."}], "auto", 24)
+    choice = result.stats["choice"]
+    assert choice["method"] == chosen and "shipped EAGLE head's draft step c = " in choice["reason"], choice
+    assert ("EAGLE head shipped for this model" in choice["reason"]) == (chosen == "eagle")
+    assert candidates(False, has_head=True).count(("eagle", {})) == 1

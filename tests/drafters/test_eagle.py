@@ -113,7 +113,7 @@ def test_a_draft_vocabulary_leaves_other_tokens_out(tiny_target, head_folder):
 
 
 def test_bad_input_is_named(tiny_target, tokenizer, make_tiny_model, head_folder, tmp_path):
-    with pytest.raises(ValueError, match="needs a trained EAGLE head"):
+    with pytest.raises(ValueError, match="needs a trained EAGLE head.*heads ship only for the embedded smollm2-135m"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle")
     with pytest.raises(FileNotFoundError, match="no eagle head in .*accelgen train eagle"):
         accelgen.generate(tiny_target, tokenizer, PROMPT, method="eagle", heads=str(tmp_path))
@@ -232,3 +232,28 @@ def test_an_eagle3_head_for_another_model_is_refused(make_tiny_model, tokenizer,
     other = make_tiny_model("qwen2", seed=0, layers=2)
     with pytest.raises(ValueError, match="eagle head .* do not fit this model: layer count 4, the model's is 2"):
         accelgen.generate(other, tokenizer, PROMPT, method="eagle", heads=eagle3_folder)
+
+
+# --- the head shipped for the embedded SmolLM2 ---------------------------------------------------------------
+
+SMOLLM_PROMPT = [{"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}]
+
+
+def test_the_shipped_head_drafts_for_the_embedded_smollm2_and_is_exact(smollm, assert_lossless):
+    """No heads= given: the head shipped for smollm2-135m drafts, its drafts partly accepted, and the output is
+    greedy decoding's token for token (fp32)."""
+    model, tokenizer = smollm
+    result = assert_lossless(model, tokenizer, SMOLLM_PROMPT, "eagle", 48, draft_budget="method")
+    assert result.stats["draft_tokens"] > 0 and result.stats["mean_accepted_tokens"] > 1.2, result.stats
+
+
+def test_a_head_the_user_gives_wins_over_the_shipped_one(smollm, monkeypatch, tmp_path):
+    model, tokenizer = smollm
+    new_eagle3_head(model, torch.arange(0, 4096)).save(tmp_path)
+
+    def not_asked(*args):
+        raise AssertionError("the shipped head was looked up though heads= was given")
+
+    monkeypatch.setattr("accelgen.drafters.eagle.shipped_head", not_asked)
+    result = accelgen.generate(model, tokenizer, SMOLLM_PROMPT, method="eagle", heads=str(tmp_path), max_new_tokens=4)
+    assert len(result.token_ids) == 4

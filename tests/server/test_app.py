@@ -116,7 +116,7 @@ def test_models(client):
     ({"prompt": PROMPT, "datastore": "/etc/passwd"}, 400, "datastore: Extra inputs are not permitted"),
     ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"prompt": PROMPT, "presence_penalty": 2.5}, 400, "presence_penalty: Input should be less than or equal to 2"),
-    ({"prompt": PROMPT, "top_k": -1}, 400, "top_k: Input should be greater than or equal to 0"),
+    ({"prompt": PROMPT, "top_k": -2}, 400, "top_k: Input should be greater than or equal to -1"),  # -1: vLLM's off
     ({"prompt": PROMPT, "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
     ({"prompt": PROMPT, "logprobs": 1, "echo": True}, 400, "echo with logprobs is not supported"),
     ({"prompt": PROMPT, "logit_bias": {"5": 1}}, 400, "logit_bias={'5': 1} is not supported"),

@@ -172,3 +172,72 @@ def test_the_command_trains_an_eagle3_head_with_a_learning_curve(command_inputs,
     assert all(result.exit_code == 0 for result in runs), runs[1].output
     plain, drafted = (json.loads(result.stdout.strip().splitlines()[-1]) for result in runs)
     assert drafted["token_ids"] == plain["token_ids"]
+
+
+# --- going on from a trained head (--resume-from): weights kept, a fresh optimizer, the curve continued ----------
+
+from accelgen.train.eagle import load_start_head
+
+
+@pytest.fixture(scope="module")
+def eagle3_data(four_layers, tokenizer, own_continuations):
+    """(windows, states, choices) of the four-layer target's own greedy text: 12 windows of 32 tokens."""
+    prompt = [5, 17, 923, 4410, 77, 12]
+    texts = [tokenizer.decode(prompt + tokens) for tokens in
+             own_continuations(four_layers, tokenizer, [[start] + prompt[1:] for start in range(5, 17)], 40)]
+    windows = packed_windows(tokenizer, texts, seq_len=32, count=12)
+    return (windows, *collect_layer_states(four_layers, windows, target_layers_for(four_layers)))
+
+
+def test_a_resumed_head_starts_where_its_training_ended(four_layers, eagle3_data, tmp_path):
+    """Trained, saved and trained further with a fresh optimizer: the further run's first loss is the trained head's
+    (near the first run's last), not a new head's; the draft vocabulary is the saved head's."""
+    windows, states, choices = eagle3_data
+    config = EagleConfig(steps=30, batch_size=12, learning_rate=1e-2, draft_vocab=2048, recipe="eagle3", ttt_steps=2)
+    first = []
+    head, _ = train_eagle(four_layers, windows, states, choices, config, progress=first.append)
+    head.save(tmp_path / "trained")
+    resumed_config = EagleConfig(**{**config.__dict__, "steps": 3, "warmup_steps": 3})
+    start = load_start_head(tmp_path / "trained", four_layers, resumed_config)
+    assert torch.equal(start.d2t, head.d2t) and start.fc.weight.dtype == torch.float32
+    further = []
+    train_eagle(four_layers, windows, states, choices, resumed_config, progress=further.append, start_head=start)
+    # every window in every batch (batch 12 of 12 windows): the losses compare the same data
+    assert first[0]["loss"] > 3 * first[-1]["loss"]
+    assert further[0]["loss"] < 1.2 * first[-1]["loss"], (first[-1], further[0])
+
+
+def test_a_head_that_cannot_go_on_for_this_model_is_refused_by_name(four_layers, tiny_target, eagle3_data, tmp_path):
+    windows, states, choices = eagle3_data
+    config = EagleConfig(steps=1, batch_size=4, draft_vocab=512, recipe="eagle3", ttt_steps=1)
+    head, _ = train_eagle(four_layers, windows, states, choices, config)
+    head.save(tmp_path / "trained")
+    with pytest.raises(ValueError, match="do not fit this model: layer count 4, the model's is 2"):
+        load_start_head(tmp_path / "trained", tiny_target, config)
+    with pytest.raises(ValueError, match="is an eagle3 head; resume it with --recipe eagle3"):
+        load_start_head(tmp_path / "trained", four_layers, EagleConfig(recipe="eagle1"))
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        EagleConfig(warmup_steps=-1)
+
+
+def test_the_command_goes_on_from_a_head_and_continues_its_learning_curve(command_inputs, tmp_path):
+    folder, dataset = command_inputs(seed=0, layers=4)
+    common = ["train", "eagle", "--recipe", "eagle3", "--ttt-steps", "2", "--model", str(folder), "--dataset", dataset,
+              "--windows", "8", "--held-out", "2", "--seq-len", "16", "--draft-vocab", "512", "--eval-every", "2",
+              "--features", str(tmp_path / "features")]
+    first, further = tmp_path / "first", tmp_path / "further"
+    run = CliRunner().invoke(app, [*common, "--out", str(first), "--steps", "2"])
+    assert run.exit_code == 0, run.output
+    run = CliRunner().invoke(app, [*common, "--out", str(further), "--steps", "4", "--resume-from", str(first),
+                                   "--warmup-steps", "2"])
+    assert run.exit_code == 0, run.output
+    curve = json.loads((further / CURVE_JSON).read_text())
+    assert [(point["session"], point["step"], point["tokens"]) for point in curve["points"]] == [
+        (0, 0, 0), (0, 2, 120), (1, 0, 120), (1, 2, 240), (1, 4, 360)]  # batch 4 × 15 positions a step
+    # the resumed session starts with the first session's head
+    assert curve["points"][2]["top1_per_depth"] == curve["points"][1]["top1_per_depth"]
+    sessions = curve["sessions"]
+    assert [session["tokens_seen"] for session in sessions] == [120, 360] and sessions[1]["resumed_from"] == "first"
+    assert all("machine" in session and session["train_minutes"] >= 0 for session in sessions)
+    same = CliRunner().invoke(app, [*common, "--out", str(first), "--resume-from", str(first)])
+    assert same.exit_code == 2 and "the same folder" in same.output

@@ -17,7 +17,7 @@ from accelgen.train.loop import is_main_process, main_process_first, training_de
 TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
                        "What is trained learns the target as loaded: use it with the target in the same format.")
 FROZEN_DTYPE_HELP = "Dtype of the frozen model (default: its embedded one)."
-DATASET_HELP = "sharegpt or jsonl:FILE."
+DATASET_HELP = "sharegpt, jsonl:FILE or regenerated:DIR (`accelgen data regenerate`); several joined by commas."
 HELD_OUT_HELP = "Further windows kept out of training, to evaluate on."
 TARGET_HELP = "Target: embedded name, HF id or local folder."  # where a draft model is trained for it
 EXTRACT_FORMATS = ("auto", "fp32", "bf16")
@@ -148,8 +148,9 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
         raise ValueError(f"--weights {weights}: training needs the PyTorch model; choose fp32, bf16, int8 or int4")
     set_threads(threads)
     texts = dataset_texts(dataset)  # a dataset that is not there is named before the model loads
-    if dataset.startswith("regenerated:"):
-        note_regenerated_by(dataset.removeprefix("regenerated:"), model)
+    for part in dataset.split(","):
+        if part.startswith("regenerated:"):
+            note_regenerated_by(part.removeprefix("regenerated:"), model)
     with console.status(f"loading {model}{f' ({weights})' if weights else ''} …"):
         target_model, tokenizer = load_model(model, dtype=dtype, weights=pytorch_weights(model, weights, dtype),
                                              device=str(training_device()))
