@@ -4,7 +4,7 @@ Nothing here is a rule of thumb: the format table is the probe behind `weights="
 t(1) and t(8) per format), and the method is what `auto` picks uncalibrated from the costs measured in the
 chosen formats (accelgen/costs.py, accelgen/drafters/auto.py); beside them, what the target's own quantized copy
 drafting for it (`qspec`) is predicted to give, from the same probe. Both are measured once per machine and cached,
-so a second call prints at once. `advice_markdown` renders the README's section of the same name. On a GPU the
+so a second call prints at once. `advice_markdown` renders it as Markdown (as in docs/weight-formats.md). On a GPU the
 format is bf16 without a probe (accelgen/models/probe.py: the probe times CPU formats), and the method is chosen
 from the costs measured on that GPU.
 """
@@ -75,7 +75,7 @@ def format_rows(timings: dict[str, dict]) -> list[dict]:
 
 
 def advice_markdown(advice: dict) -> str:
-    """The README section: the machine, the measured format table, the choices and the command to run."""
+    """As Markdown: the machine, the measured format table, the choices and the command to run."""
     model, draft, method = advice["model"], advice["draft"], advice["method"]
     target_weights = advice["target"]["weights"]
     device = advice.get("device", {"type": "cpu"})  # older advice was for the CPU

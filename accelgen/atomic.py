@@ -20,10 +20,12 @@ import shutil
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from accelgen.errors import InputError
+
 T = TypeVar("T")
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(InputError):
     """A file that cannot be what it should be (empty, truncated, or not matching the files beside it)."""
 
 

@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
+from accelgen.errors import InputError
+
 # HF's layer types (transformers.cache_utils) that accelgen decodes: attention over a KV cache it can roll back
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -49,7 +51,7 @@ def layer_windows(config) -> list[int | None]:
     layer_types, layer_options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     refused = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
     if refused:
-        raise ValueError(f"{config.model_type} has {', '.join(refused)} layers, which accelgen cannot decode: "
+        raise InputError(f"{config.model_type} has {', '.join(refused)} layers, which accelgen cannot decode: "
                          f"verifying drafts needs full or sliding-window attention over a KV cache that can be rolled "
                          f"back after a rejected draft (a recurrent state cannot be; HF refuses such models assisted "
                          f"generation too)")

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from accelgen.errors import InputError
+
 ROOT = -1
 
 
@@ -36,9 +38,9 @@ class Draft:
 
     def __post_init__(self):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
-            raise ValueError(f"draft tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be equal 1-D shapes")
+            raise InputError(f"draft tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be equal 1-D shapes")
         if len(self) and bool((self.parents >= torch.arange(len(self))).any()):
-            raise ValueError("draft nodes must come after their parents (parents[i] < i)")
+            raise InputError("draft nodes must come after their parents (parents[i] < i)")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import save_tensors_atomically, torch_save_atomically, write_json_atomically
+from accelgen.errors import InputError
 from accelgen.heads import eagle, medusa
 
 CONFIG, WEIGHTS, TOKEN_MAP = "config.json", "model.safetensors", "token_map.pt"
@@ -77,10 +78,10 @@ def head_kind(head_folder) -> str:
     found = [kind for kind, name in metadata.items() if (folder / name).exists()]
     if not found:
         where = "does not exist" if not folder.exists() else "holds no trained head"
-        raise ValueError(f"{folder} {where}: no {eagle.NAME}.json (from `accelgen train eagle --out {folder}`) nor "
+        raise InputError(f"{folder} {where}: no {eagle.NAME}.json (from `accelgen train eagle --out {folder}`) nor "
                          f"{medusa.NAME}.json (from `accelgen train medusa --out {folder}`)")
     if len(found) > 1:
-        raise ValueError(f"{folder} holds both an EAGLE head and Medusa heads; train them into separate folders")
+        raise InputError(f"{folder} holds both an EAGLE head and Medusa heads; train them into separate folders")
     return found[0]
 
 
@@ -90,7 +91,7 @@ def require_kind(head_folder, kind: str, destination: str) -> None:
     if found != kind:
         elsewhere = {"eagle": "`accelgen export vllm` or `accelgen export sglang`",
                      "medusa": "`accelgen export vllm` (SGLang has no Medusa drafter)"}[found]
-        raise ValueError(f"{head_folder} holds {HEADS[found]}, and {destination} loads {HEADS[kind]}; "
+        raise InputError(f"{head_folder} holds {HEADS[found]}, and {destination} loads {HEADS[kind]}; "
                          f"export {HEADS[found]} with {elsewhere}")
 
 
@@ -101,7 +102,7 @@ def load_target(head_folder, name: str | None = None):
 
     name = name or medusa.MedusaHeads.load(head_folder).base_model
     if not name:
-        raise ValueError(f"the heads in {head_folder} do not record the model they were trained for; pass --model")
+        raise InputError(f"the heads in {head_folder} do not record the model they were trained for; pass --model")
     return load_model(name, weights=pytorch_weights(name, None))[0]
 
 
@@ -112,7 +113,7 @@ def check_out(out, force: bool) -> Path:
     """out, if an export may go there: a folder that holds anything is refused (FileExistsError) unless force."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
+        raise InputError(f"--out {out} is a file, not a folder")
     held = sorted(path.name for path in out.iterdir()) if out.exists() else []
     if held and not force:
         listed = ", ".join(held[:4]) + (" …" if len(held) > 4 else "")
@@ -170,7 +171,7 @@ def export_vllm_eagle(head_folder, out, force: bool = False, whole_vocab: bool =
     require_recipe(head_folder, "eagle1", "vLLM's EAGLE-1 layout", "export_vllm_eagle3 (`accelgen export vllm`)")
     head = eagle.EagleHead.load(head_folder).float()
     if len(head.vocab) and not whole_vocab:
-        raise ValueError(
+        raise InputError(
             f"the head in {head_folder} drafts from a vocabulary of {len(head.vocab)} tokens, which vLLM's EAGLE "
             f"cannot load (it drafts from all {head.config.vocab_size}). Pass --whole-vocab to export it drafting from "
             "the whole vocabulary (the output is the same, since verification decides; draft steps cost the whole LM "
@@ -196,7 +197,7 @@ def require_recipe(head_folder, recipe: str, layout: str, instead: str) -> None:
     """A clear error unless the EAGLE head in head_folder is of this recipe; instead: what exports the other."""
     found = eagle.saved_recipe(head_folder)
     if found != recipe:
-        raise ValueError(f"the head in {head_folder} is of the {found} recipe, which {layout} does not hold; export it "
+        raise InputError(f"the head in {head_folder} is of the {found} recipe, which {layout} does not hold; export it "
                          f"with {instead}")
 
 
@@ -234,7 +235,7 @@ def export_vllm_medusa(head_folder, out, model, force: bool = False) -> list[Pat
     heads = medusa.MedusaHeads.load(head_folder, model)  # refuses a model of another shape, by name
     lm_head = model.get_output_embeddings()
     if lm_head.bias is not None:
-        raise ValueError("this model's LM head has a bias, and vLLM's Medusa LM head has none")
+        raise InputError("this model's LM head has a bias, and vLLM's Medusa LM head has none")
     drafted = heads.vocab.cpu() if len(heads.vocab) else None
     weights = {}
     for index, block in enumerate(heads.blocks):
@@ -263,7 +264,7 @@ def export_vllm(head_folder, out, model=None, force: bool = False, whole_vocab: 
             return export_vllm_eagle3(head_folder, out, force=force)
         return export_vllm_eagle(head_folder, out, force=force, whole_vocab=whole_vocab)
     if model is None:
-        raise ValueError("Medusa heads export with a copy of the target's LM head: give the target model (--model)")
+        raise InputError("Medusa heads export with a copy of the target's LM head: give the target model (--model)")
     return export_vllm_medusa(head_folder, out, model, force=force)
 
 

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import GenerateDecoderOnlyOutput
 
+from accelgen.errors import InputError
 from accelgen.loop import generate as accelgen_generate
 from accelgen.settings import Settings, generation_settings, set_fields
 
@@ -66,12 +67,12 @@ def generate(model, inputs: torch.Tensor | None = None, generation_config: Gener
     is needed for stop_strings only. assistant_model alone chooses `speculative`, prompt_lookup_num_tokens `pld`.
     """
     if inputs is not None and input_ids is not None:
-        raise ValueError("pass the prompt once: inputs or input_ids")
+        raise InputError("pass the prompt once: inputs or input_ids")
     input_ids = inputs if inputs is not None else input_ids
     config, options = hf_generation_config(model, generation_config, kwargs)
     if input_ids is None:  # as transformers: start from BOS
         if config.bos_token_id is None:
-            raise ValueError("no input_ids and no bos_token_id in the generation config to start from")
+            raise InputError("no input_ids and no bos_token_id in the generation config to start from")
         input_ids = torch.tensor([[config.bos_token_id]])
     input_ids = torch.as_tensor(input_ids)
     rows = input_ids if input_ids.dim() == 2 else input_ids[None]
@@ -80,10 +81,10 @@ def generate(model, inputs: torch.Tensor | None = None, generation_config: Gener
     elif config.max_new_tokens is None:  # transformers counts max_length from the padded width
         config.max_new_tokens = config.max_length - rows.shape[-1]
         if config.max_new_tokens < 0:
-            raise ValueError(f"max_length={config.max_length} is shorter than the {rows.shape[-1]}-token input: "
+            raise InputError(f"max_length={config.max_length} is shorter than the {rows.shape[-1]}-token input: "
                              "pass max_new_tokens")
     if config.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings needs tokenizer= to find them in the text (as transformers' generate)")
+        raise InputError("stop_strings needs tokenizer= to find them in the text (as transformers' generate)")
     mask = None if attention_mask is None else torch.as_tensor(attention_mask)
     results = accelgen_generate(model, tokenizer or IdsOnly(), rows, attention_mask=mask,
                                 generation_config=config, streamer=streamer, method=method,

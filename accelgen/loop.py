@@ -21,6 +21,7 @@ import torch
 from accelgen.draft import Draft, keep_accepted, tree_attention
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.budget import budgeted
+from accelgen.errors import InputError
 from accelgen.settings import Settings, generation_settings
 from accelgen.models.batch import batched_forward, forward_alone, forward_together
 from accelgen.models.engines import runner_for
@@ -169,7 +170,7 @@ def generate(
     eos = set(settings.eos_token_ids) if settings.eos_token_ids is not None else eos_token_ids(model, tokenizer)
     prompts, several = prompt_rows(prompt, attention_mask, pad_token_id, eos)
     if several and (stream or streamer is not None):
-        raise ValueError("stream=True and streamer= take one prompt (as transformers' streamers do); "
+        raise InputError("stream=True and streamer= take one prompt (as transformers' streamers do); "
                          "several prompts give a list of results")
     sequences = start_sequences(model, tokenizer, prompts, settings)
     if several:
@@ -208,7 +209,7 @@ def start_sequences(model, tokenizer, prompts: list, settings: Settings) -> list
 def new_tokens_within(max_length: int, prompt_tokens: int) -> int:
     check_option("max_length", max_length, (int,))
     if max_length < prompt_tokens:
-        raise ValueError(f"max_length={max_length} (prompt + new tokens) is shorter than the {prompt_tokens}-token "
+        raise InputError(f"max_length={max_length} (prompt + new tokens) is shorter than the {prompt_tokens}-token "
                          "prompt: pass max_new_tokens")
     return max_length - prompt_tokens
 
@@ -299,7 +300,8 @@ class Sequence:
         self.verify = verify
         self.output = output
         self.generator = generator
-        self.context = torch.tensor(prompt_ids, dtype=torch.long)
+        self._tokens = torch.tensor(prompt_ids, dtype=torch.long)  # (capacity,) the context, then room to grow
+        self._length = len(prompt_ids)
         self.prompt_tokens = len(prompt_ids)
         self.stats = Stats()
         self.sampling = sampling or SamplingConfig()
@@ -368,6 +370,21 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.output.done
+
+    @property
+    def context(self) -> torch.Tensor:
+        """(L,) long: the prompt and every committed token. A view: the tokens it shows never change."""
+        return self._tokens[: self._length]
+
+    def _extend_context(self, tokens: list[int]) -> None:
+        """Append committed tokens; the buffer doubles when full, so a step costs its own tokens, not the context."""
+        end = self._length + len(tokens)
+        if end > len(self._tokens):
+            grown = torch.empty(max(end, 2 * len(self._tokens)), dtype=torch.long)
+            grown[: self._length] = self.context
+            self._tokens = grown
+        self._tokens[self._length : end] = torch.tensor(tokens, dtype=torch.long)
+        self._length = end
 
     @property
     def drafts_with_a_model(self) -> bool:
@@ -440,7 +457,7 @@ class Sequence:
             if self.output.add(token):
                 break
         logprobs = self.record(scores, verdict.kept_rows(), committed)  # the row that chose each committed token
-        self.context = torch.cat([self.context, torch.tensor(committed, dtype=torch.long)])
+        self._extend_context(committed)
         if len(self.context) >= self.target.max_positions:
             self.output.finish_reason = self.output.finish_reason or "length"
         return Chunk(committed, self.output.stream_delta(), logprobs)
@@ -487,7 +504,7 @@ def chosen_draft_budget(spec, draft_budget: str, request_options: dict) -> str:
     default, unless the request's options fix the draft length (FIXED_LENGTH_OPTIONS set to other than their
     defaults: gamma=4 rather than "auto"), which it then keeps."""
     if draft_budget not in DRAFT_BUDGETS:
-        raise ValueError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
+        raise InputError(f"unknown draft_budget {draft_budget!r}; choose one of {', '.join(DRAFT_BUDGETS)}")
     if draft_budget != "auto":
         return draft_budget
     defaults = spec.options
@@ -501,10 +518,10 @@ def checked_sampling(spec, **arguments) -> SamplingConfig:
     for name, value in arguments.items():
         check_option(name, value, ARGUMENT_TYPES[name])
     if arguments["max_new_tokens"] < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {arguments['max_new_tokens']}")
+        raise InputError(f"max_new_tokens must be >= 0, got {arguments['max_new_tokens']}")
     sampling = SamplingConfig(arguments["temperature"], arguments["top_k"], arguments["top_p"])
     if not sampling.greedy and not spec.can_sample:
-        raise ValueError(f"method {spec.name!r} supports greedy decoding only (temperature 0)")
+        raise InputError(f"method {spec.name!r} supports greedy decoding only (temperature 0)")
     return sampling
 
 
@@ -518,16 +535,16 @@ def position_noise(spec, sampling: SamplingConfig, seed: int | None, vocab_size:
 def check_recording(logprobs, output_scores) -> None:
     """What a request may ask recorded per committed token: logprobs None or k >= 0, output_scores a bool."""
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-        raise ValueError(f"logprobs must be None or an integer >= 0 (how many top alternatives), got {logprobs!r}")
+        raise InputError(f"logprobs must be None or an integer >= 0 (how many top alternatives), got {logprobs!r}")
     if not isinstance(output_scores, bool):
-        raise ValueError(f"output_scores must be true or false, got {output_scores!r}")
+        raise InputError(f"output_scores must be true or false, got {output_scores!r}")
 
 
 def stop_strings(stop) -> list[str]:
     """stop as a list of strings (one string, a list of them, or None)."""
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(text, str) for text in stop):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
     return stop
 
 
@@ -543,12 +560,12 @@ def target_runner(spec, model, running, cache: str, compile: bool | str = "auto"
     """The runner holding the target's KV cache: the method's own (early exits), else the engine's for `cache`
     and `compile`."""
     if spec.runner and not isinstance(model, torch.nn.Module):
-        raise ValueError(f"method {spec.name!r} runs the model's layers itself and needs a PyTorch model; load it "
+        raise InputError(f"method {spec.name!r} runs the model's layers itself and needs a PyTorch model; load it "
                          "in a PyTorch format (weights=bf16, int8, int4 or fp32), not with the llama.cpp engine")
     if spec.runner and cache == "static":
-        raise ValueError(f"method {spec.name!r} keeps the KV cache its own way; it cannot take cache='static'")
+        raise InputError(f"method {spec.name!r} keeps the KV cache its own way; it cannot take cache='static'")
     if spec.runner and compile is True:
-        raise ValueError(f"method {spec.name!r} runs the model's layers itself; it cannot take compile=True")
+        raise InputError(f"method {spec.name!r} runs the model's layers itself; it cannot take compile=True")
     target = spec.runner.make(model, running) if spec.runner else runner_for(model, cache, compile)
     target.keep_hidden = spec.reads_target_hidden
     return target
@@ -557,10 +574,10 @@ def target_runner(spec, model, running, cache: str, compile: bool | str = "auto"
 def check_prompt(prompt_ids: list[int], target: ModelRunner) -> None:
     """A prompt the target can read: shorter than its context, every token id in its vocabulary."""
     if len(prompt_ids) >= target.max_positions:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
+        raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's context holds {target.max_positions}")
     outside = [token for token in prompt_ids if not 0 <= token < target.vocab_size]
     if outside:
-        raise ValueError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{target.vocab_size - 1})")
+        raise InputError(f"prompt token id {outside[0]} is outside the model's vocabulary (0..{target.vocab_size - 1})")
 
 
 def method_drafter(spec, build: BuildContext, drafting, draft_budget: str):

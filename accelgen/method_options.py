@@ -1,7 +1,7 @@
-"""The one command-line grammar of method options, shared by `generate`, `bench` and `serve`:
+"""The one command-line grammar of method options, shared by `generate`, `sot`, `bench` and `serve`:
 
-    name=value                      generate -o: an option of the method being run
-    method.name=value               bench and serve -o: an option of one of the methods run or served
+    name=value                      -o: an option of the one method run or served
+    method.name=value               -o: an option of one of the methods run or served (needed where they are several)
     method@name=value+name=value    a benchmark row that runs a method with some options set (a variant)
     a, b@paths=[[0],[1]], c         a list of methods (a comma inside brackets belongs to an option value)
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from accelgen.errors import InputError
 from accelgen.registry import option_types, parse_method_option, parse_option_value
 
 # A variant runs a method with some options set as a row of its own, e.g. to sweep a lossy method's
@@ -25,7 +26,7 @@ def split_assignment(pair: str, form: str) -> tuple[str, str]:
     """'gamma=8' -> ('gamma', '8'); a ValueError saying the pair must look like `form` when it has no name=."""
     key, sep, value = pair.partition("=")
     if not sep or not key:
-        raise ValueError(f"method option {pair!r} must look like {form}")
+        raise InputError(f"method option {pair!r} must look like {form}")
     return key, value
 
 
@@ -44,18 +45,36 @@ def parse_options(pairs: list[str], defaults: dict) -> dict:
     return options
 
 
-def parse_method_options(pairs: list[str]) -> dict[str, dict]:
-    """['speculative.gamma=8', 'hf-assisted.num_assistant_tokens=5'] -> {'speculative': {'gamma': 8}, ...}."""
-    form = "method.name=value, e.g. speculative.gamma=8"
+def parse_method_options(pairs: list[str], methods: Optional[list[str]] = None) -> dict[str, dict]:
+    """['speculative.gamma=8', 'hf-assisted.num_assistant_tokens=5'] -> {'speculative': {'gamma': 8}, ...}; a pair
+    naming no method (gamma=8) is an option of the one method of `methods` (its variants count as that method),
+    refused where they are several or not known yet."""
+    bases = list(dict.fromkeys(base_method(each) for each in methods or ()))
+    form = "name=value or method.name=value" if len(bases) == 1 else "method.name=value, e.g. speculative.gamma=8"
     options: dict[str, dict] = {}
     for pair in pairs:
         key, value = split_assignment(pair, form)
         method, dot, name = key.rpartition(".")
-        if not dot or not method or not name:
-            raise ValueError(f"method option {pair!r} must look like {form}")
+        if not dot and len(bases) == 1:
+            method = bases[0]
+        elif not dot and bases:
+            raise InputError(f"method option {pair!r}: several methods run ({', '.join(bases)}); name the one it is "
+                             f"for, as method.name=value, e.g. {bases[0]}.{pair}")
+        if not method or not name:
+            raise InputError(f"method option {pair!r} must look like {form}")
         name = option_name(name)
         options.setdefault(method, {})[name] = parse_method_option(base_method(method), name, value)
     return options
+
+
+def parse_options_of(method: str, pairs: list[str]) -> dict:
+    """The options of the one method run, from name=value and method.name=value pairs alike; a ValueError for
+    another method's."""
+    options = parse_method_options(pairs, [method])
+    others = sorted(set(options) - {base_method(method)})
+    if others:
+        raise InputError(f"options given for {', '.join(others)}, but the method run is {method}")
+    return options.get(base_method(method), {})
 
 
 def base_method(name: str) -> str:
@@ -71,7 +90,7 @@ def parse_variant(name: str) -> tuple[str, dict]:
         try:
             key, value = split_assignment(pair, "name=value")
         except ValueError:
-            raise ValueError(f"method variant {name!r}: write its options as name=value joined by "
+            raise InputError(f"method variant {name!r}: write its options as name=value joined by "
                              f"'{VARIANT_JOIN}', e.g. specdec@beta=2+tau=0.5") from None
         values[option_name(key)] = parse_method_option(base, option_name(key), value)
     return base, values

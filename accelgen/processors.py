@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from accelgen.draft import ROOT, Draft, to_device
+from accelgen.errors import InputError
 
 # a user's processor: (context_ids (n,) long, logits (vocab,) float32) -> logits (vocab,)
 RowProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,7 +67,7 @@ class MinP:
 
     def __init__(self, min_p: float, temperature: float):
         if not 0.0 < min_p <= 1.0:
-            raise ValueError(f"min_p must be in (0, 1] (0 disables it), got {min_p}")
+            raise InputError(f"min_p must be in (0, 1] (0 disables it), got {min_p}")
         self.margin = temperature * math.log(min_p)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -80,10 +81,10 @@ class AllowedTokens:
     def __init__(self, token_ids: list[int], vocab_size: int):
         for token in token_ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-                raise ValueError(f"allowed_token_ids holds {token!r}, not a token id of this model "
+                raise InputError(f"allowed_token_ids holds {token!r}, not a token id of this model "
                                  f"(0..{vocab_size - 1})")
         if not token_ids:
-            raise ValueError("allowed_token_ids must name at least one token")
+            raise InputError("allowed_token_ids must name at least one token")
         self.banned = torch.ones(vocab_size, dtype=torch.bool)
         self.banned[list(token_ids)] = False
 
@@ -103,7 +104,7 @@ class EachRow:
             result = self.processor(ids, row.clone())
             if not isinstance(result, torch.Tensor) or result.shape != row.shape:
                 shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-                raise ValueError(f"logits processor {self.processor!r} must return a ({len(row)},) tensor of logits, "
+                raise InputError(f"logits processor {self.processor!r} must return a ({len(row)},) tensor of logits, "
                                  f"got {shape}")
             rows.append(result.to(scores.dtype))
         return torch.stack(rows)
@@ -189,18 +190,18 @@ def check_settings(repetition_penalty, presence_penalty, frequency_penalty, no_r
                "frequency_penalty": frequency_penalty}
     for name, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
+            raise InputError(f"{name} must be a finite number, got {value!r}")
     if repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1.0 disables it), got {repetition_penalty}")
+        raise InputError(f"repetition_penalty must be > 0 (1.0 disables it), got {repetition_penalty}")
     for name, value in {"no_repeat_ngram_size": no_repeat_ngram_size, "min_new_tokens": min_new_tokens}.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            raise InputError(f"{name} must be an integer >= 0, got {value!r}")
     if logits_processors is not None:
         if not isinstance(logits_processors, (list, tuple)):
-            raise ValueError(f"logits_processors must be a list of callables, got {type(logits_processors).__name__}")
+            raise InputError(f"logits_processors must be a list of callables, got {type(logits_processors).__name__}")
         for processor in logits_processors:
             if not callable(processor):
-                raise ValueError(f"logits_processors must hold callables (context_ids, logits) -> logits, "
+                raise InputError(f"logits_processors must hold callables (context_ids, logits) -> logits, "
                                  f"got {processor!r}")
 
 
@@ -208,9 +209,9 @@ def bad_words_stage(bad_words_ids, eos: list[int], vocab_size: int) -> NoBadWord
     """HF's bad-words processor, after checking the ids fit the vocabulary (HF would index out of range)."""
     if not isinstance(bad_words_ids, (list, tuple)) or not all(
             isinstance(word, (list, tuple)) for word in bad_words_ids):
-        raise ValueError(f"bad_words_ids must be a list of token id lists, got {bad_words_ids!r}")
+        raise InputError(f"bad_words_ids must be a list of token id lists, got {bad_words_ids!r}")
     for word in bad_words_ids:
         for token in word:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-                raise ValueError(f"bad_words_ids holds {token!r}, not a token id of this model (0..{vocab_size - 1})")
+                raise InputError(f"bad_words_ids holds {token!r}, not a token id of this model (0..{vocab_size - 1})")
     return NoBadWordsLogitsProcessor([list(word) for word in bad_words_ids], eos or None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
+
 ONE_PROMPT = ("one prompt is expected here; generate() takes several as a list of prompts or as a (batch, L) tensor "
               "with its attention_mask, and `accelgen serve` batches concurrent requests")
 
@@ -25,18 +27,18 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
         try:  # a list of token ids, as Python, numpy or 0-d tensor integers; torch refuses ragged or text items
             tensor = torch.tensor(prompt, dtype=None if prompt else torch.long)
         except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"prompt must be one text, one list of token ids or one list of chat messages; "
+            raise InputError(f"prompt must be one text, one list of token ids or one list of chat messages; "
                              f"{ONE_PROMPT}") from None
         if any(isinstance(token, bool) for token in prompt):
-            raise ValueError("prompt token ids must be integers, not bools")
+            raise InputError("prompt token ids must be integers, not bools")
         ids = tensor_token_ids(tensor)
     else:
         raise TypeError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
     if not ids:
         if tokenizer is None:
-            raise ValueError("empty prompt and no tokenizer to give a BOS token to start from; give at least one token")
+            raise InputError("empty prompt and no tokenizer to give a BOS token to start from; give at least one token")
         if tokenizer.bos_token_id is None:
-            raise ValueError("empty prompt: this tokenizer has no BOS token to start from; give at least one token")
+            raise InputError("empty prompt: this tokenizer has no BOS token to start from; give at least one token")
         ids = [tokenizer.bos_token_id]
     return ids
 
@@ -44,7 +46,7 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 def with_tokenizer(tokenizer, what: str):
     """The tokenizer, or a ValueError saying that `what` needs one (token-id prompts do not)."""
     if tokenizer is None:
-        raise ValueError(f"{what} needs a tokenizer: pass the model's tokenizer, or give the prompt as token ids")
+        raise InputError(f"{what} needs a tokenizer: pass the model's tokenizer, or give the prompt as token ids")
     return tokenizer
 
 
@@ -54,13 +56,13 @@ def tensor_token_ids(prompt: torch.Tensor) -> list[int]:
     if prompt.dim() == 2 and len(prompt) == 1:
         prompt = prompt[0]
     if prompt.dim() != 1:
-        raise ValueError(f"prompt token ids have shape {tuple(prompt.shape)}, not (L,) or (1, L): {ONE_PROMPT}")
+        raise InputError(f"prompt token ids have shape {tuple(prompt.shape)}, not (L,) or (1, L): {ONE_PROMPT}")
     return prompt.tolist()
 
 
 def check_integer_ids(token_ids: torch.Tensor) -> None:
     if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-        raise ValueError(f"prompt token ids must be integers, got {token_ids.dtype} values")
+        raise InputError(f"prompt token ids must be integers, got {token_ids.dtype} values")
 
 
 def prompt_rows(prompt, attention_mask, pad_token_id: int | None, eos_ids: set[int]) -> tuple[list, bool]:
@@ -70,7 +72,7 @@ def prompt_rows(prompt, attention_mask, pad_token_id: int | None, eos_ids: set[i
         token_ids = id_tensor(prompt)
         rows = token_ids[None] if token_ids.dim() == 1 else token_ids
         if rows.dim() != 2:
-            raise ValueError(f"prompt token ids have shape {tuple(token_ids.shape)}, not (L,) or (batch, L)")
+            raise InputError(f"prompt token ids have shape {tuple(token_ids.shape)}, not (L,) or (batch, L)")
         mask = padding_mask(rows, token_ids.shape, attention_mask, pad_token_id, eos_ids)
         return [row[keep].tolist() for row, keep in zip(rows, mask)], token_ids.dim() == 2 and len(rows) > 1
     several = (isinstance(prompt, (list, tuple)) and len(prompt) > 0
@@ -84,7 +86,7 @@ def id_tensor(prompt) -> torch.Tensor:
     try:
         token_ids = torch.as_tensor(prompt)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError("with attention_mask, the prompt must be token ids: a (batch, L) tensor or equal-length "
+        raise InputError("with attention_mask, the prompt must be token ids: a (batch, L) tensor or equal-length "
                          "lists") from None
     check_integer_ids(token_ids)
     return token_ids
@@ -98,13 +100,13 @@ def padding_mask(rows: torch.Tensor, shape: torch.Size, attention_mask, pad_toke
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask)
         if mask.shape != shape:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, the prompt {tuple(shape)}")
+            raise InputError(f"attention_mask has shape {tuple(mask.shape)}, the prompt {tuple(shape)}")
         if not ((mask == 0) | (mask == 1)).all():
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+            raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
         mask, marked_by = mask.reshape(rows.shape).bool(), "attention_mask"
     elif len(rows) > 1 and pad_token_id is not None and bool((rows == pad_token_id).any()):
         if pad_token_id in eos_ids:  # an EOS at a row's end may be text: padding cannot be told from it
-            raise ValueError(f"the prompts hold pad_token_id {pad_token_id}, which is also an EOS token, so their "
+            raise InputError(f"the prompts hold pad_token_id {pad_token_id}, which is also an EOS token, so their "
                              "padding cannot be told from their text: pass attention_mask")
         mask, marked_by = rows != pad_token_id, f"pad_token_id {pad_token_id}"
     else:
@@ -113,7 +115,7 @@ def padding_mask(rows: torch.Tensor, shape: torch.Size, attention_mask, pad_toke
         kept = keep.nonzero().flatten()
         one_run = len(kept) == 0 or int(kept[-1] - kept[0]) + 1 == len(kept)
         if not one_run or len(kept) and kept[0] > 0 and kept[-1] < len(keep) - 1:
-            raise ValueError(f"prompt row {index}: its padding ({marked_by}) is neither left nor right padding")
+            raise InputError(f"prompt row {index}: its padding ({marked_by}) is neither left nor right padding")
     return mask
 
 

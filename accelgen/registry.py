@@ -13,6 +13,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Callable
 
+from accelgen.errors import InputError
 from accelgen.method_table import METHODS
 
 LOSSLESS_CLASSES = {
@@ -89,14 +90,14 @@ class MethodSpec:
 
     def __post_init__(self):
         if self.lossless not in LOSSLESS_CLASSES:
-            raise ValueError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
+            raise InputError(f"{self.name}: lossless must be one of {sorted(LOSSLESS_CLASSES)}")
         if self.draft_budget not in ("method", "measured"):
-            raise ValueError(f"{self.name}: draft_budget must be 'method' or 'measured', got {self.draft_budget!r}")
+            raise InputError(f"{self.name}: draft_budget must be 'method' or 'measured', got {self.draft_budget!r}")
         defaults: dict = {}
         for part in self.parts:
             for name, default in part.options.defaults().items():
                 if defaults.setdefault(name, default) != default:  # one option, one meaning, in every part
-                    raise ValueError(f"{self.name}: option {name!r} has different defaults in its parts")
+                    raise InputError(f"{self.name}: option {name!r} has different defaults in its parts")
 
     @property
     def parts(self) -> list[Part]:
@@ -123,7 +124,7 @@ class MethodSpec:
         """A ValueError when the method needs a draft model and draft_model is None; `how` says how to pass one
         (the command line's "--draft", the Python API's "draft_model=")."""
         if self.needs_draft_model and draft_model is None:
-            raise ValueError(f"method {self.name!r} needs a draft model: pass {how}")
+            raise InputError(f"method {self.name!r} needs a draft model: pass {how}")
 
     def split_options(self, options: dict) -> tuple:
         """(drafter, verifier, runner) options, each part's own out of the method's checked options, each checked
@@ -164,7 +165,7 @@ def merge_options(method: str, defaults: dict, options: dict) -> dict:
         known = ", ".join(sorted(defaults)) or "none"
         hints = "".join(f"; {name!r} is transformers' name: use {TRANSFORMERS_NAMES[name]}"
                         for name in unknown if name in TRANSFORMERS_NAMES)
-        raise ValueError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}"
+        raise InputError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: {known}"
                          f"{hints}")
     for name, value in options.items():
         if name in defaults:
@@ -209,7 +210,7 @@ def check_option(what: str, value, types: tuple[type, ...] | None, words: tuple[
     if types is None or (isinstance(value, str) and value in words) or fits(value, types):
         return
     expected = list(dict.fromkeys(TYPE_NAMES.get(kind, kind.__name__) for kind in types)) + [repr(w) for w in words]
-    raise ValueError(f"{what} must be {' or '.join(expected)}, got {value!r}")
+    raise InputError(f"{what} must be {' or '.join(expected)}, got {value!r}")
 
 
 def fits(value, types: tuple[type, ...]) -> bool:
@@ -244,7 +245,7 @@ _DECLARED: dict[str, str] = {}
 
 def register(spec: MethodSpec) -> MethodSpec:
     if spec.name in _METHODS:
-        raise ValueError(f"method {spec.name!r} is registered twice")
+        raise InputError(f"method {spec.name!r} is registered twice")
     _METHODS[spec.name] = spec
     return spec
 
@@ -263,7 +264,7 @@ def declare_method(name: str, module: str) -> None:
     declared by a layer above that module (accelgen/__init__.py)."""
     known = _lazy_modules().get(name)
     if known not in (None, module):
-        raise ValueError(f"method {name!r} is already declared, by {known}")
+        raise InputError(f"method {name!r} is already declared, by {known}")
     _DECLARED[name] = module
 
 
@@ -271,7 +272,7 @@ def get_method(name: str) -> MethodSpec:
     spec = _registered(name)
     if spec is None:
         available = ", ".join(sorted(set(_METHODS) | set(_lazy_modules())))
-        raise ValueError(f"unknown method {name!r}; available methods: {available}")
+        raise InputError(f"unknown method {name!r}; available methods: {available}")
     return spec
 
 

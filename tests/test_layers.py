@@ -21,7 +21,7 @@ import accelgen
 LAYERS: list[tuple[str, set[str]]] = [
     # pure pieces with no accelgen imports of their own (processors and structured read only the draft type;
     # datasets only prompt encoding)
-    ("foundation", {"atomic", "hardware", "theory", "draft", "sampling", "stopping", "cache", "quality", "prompts",
+    ("foundation", {"errors", "atomic", "hardware", "theory", "draft", "sampling", "stopping", "cache", "quality", "prompts",
                     "processors", "structured", "datasets", "host_reads"}),
     # running the model (loading, weight formats and their probe, runners, batched and timed forwards) and the
     # pure verification rules

@@ -1,9 +1,11 @@
-"""Stop strings: the same cut and the same held-back text as a naive search, in time linear in the text."""
+"""Stop strings: the same cut and the same held-back text as a naive search, in time linear in the text; text\ndecoded incrementally, the same as decoding the whole output."""
 
 import random
 import time
 
-from accelgen.stopping import Output, prefix_function
+import pytest
+
+from accelgen.stopping import IncrementalText, Output, prefix_function
 
 
 class VocabTokenizer:
@@ -97,3 +99,68 @@ def test_a_long_stop_string_costs_milliseconds_per_token():
     for stop, token_text in [("z" * 200_000, "zz"), ("ab" * 100_000, "ab")]:
         baseline = seconds_per_token(stop[:4] + "!", token_text)
         assert seconds_per_token(stop, token_text) < 0.02 + 20 * baseline
+
+
+def random_ids(tokenizer, rng: random.Random, count: int) -> list[int]:
+    """Token ids a model might emit: mostly ordinary ones, with byte tokens that split UTF-8 characters (the first
+    ids of a byte-level vocabulary), special tokens and multi-byte text among them."""
+    special = sorted(tokenizer.all_special_ids)
+    emoji = tokenizer.encode("é ✓ 🎉 日本語 \n\t  spaces", add_special_tokens=False)
+    pools = [range(len(tokenizer)), range(256), special, emoji]
+    return [rng.choice(rng.choices(pools, weights=[6, 2, 1, 2])[0]) for _ in range(count)]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_text_is_the_whole_decode(tokenizer, skip_special_tokens):
+    """Settled a token at a time (and a few at a time), the text is what decoding every token at once gives,
+    on SmolLM2's byte-level tokenizer; every settled piece is final."""
+    rng = random.Random(1)
+    options = {"skip_special_tokens": skip_special_tokens}
+    for trial in range(30):
+        ids = random_ids(tokenizer, rng, rng.randint(1, 120))
+        text = IncrementalText(tokenizer, options)
+        settled, start = [], 0
+        while start < len(ids):
+            step = rng.choice([1, 1, 1, 2, 5])  # a step commits one token or several
+            for token in ids[start : start + step]:
+                text.append(token)
+            start += step
+            new_text, rewritten = text.settle()
+            assert not rewritten
+            settled.append(new_text)
+            assert text.text() == tokenizer.decode(ids[:start], **options)
+            assert "".join(settled) == text.tail(0) and text.length == len(text.tail(0))
+        settled.append(text.settle(final=True)[0])
+        assert "".join(settled) == tokenizer.decode(ids, **options), trial
+
+
+def test_streamed_text_is_the_whole_decode_with_stop_strings(tokenizer):
+    """Output streams exactly the text of the whole decode, cut at the stop string, held back where it may begin."""
+    rng = random.Random(2)
+    for trial in range(20):
+        ids = random_ids(tokenizer, rng, 80)
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = whole[len(whole) // 2 : len(whole) // 2 + 3] if trial % 2 else "\u2603"  # found, or never
+        output = Output(tokenizer, eos_token_ids=set(), stop=[stop] if stop.strip() else [], max_new_tokens=80)
+        streamed = []
+        for token in ids:
+            done = output.add(token)
+            streamed.append(output.stream_delta())
+            if done:
+                break
+        assert "".join(streamed) == output.text, trial
+        cut = whole.find(stop) if stop.strip() and stop in whole else len(whole)
+        assert output.text == whole[:cut], trial
+
+
+def test_a_stop_token_text_is_left_out_unless_kept(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("Hello world", add_special_tokens=False) + [eos]
+    for keep, expected in [(False, "Hello world"), (True, "Hello world" + tokenizer.decode([eos]))]:
+        output = Output(tokenizer, eos_token_ids={eos}, stop=[], max_new_tokens=10)
+        output.set_text_options(skip_special_tokens=False, include_stop=keep)
+        streamed = []
+        for token in ids:
+            output.add(token)
+            streamed.append(output.stream_delta())
+        assert output.finish_reason == "stop" and output.text == expected == "".join(streamed)

@@ -6,27 +6,18 @@ within a few units in the last place (ulps) of the best logit there, the two run
 differently: a (k+1)-token verification forward, a split prefill or a different kernel order sums in another
 order. Otherwise the method picked a token the model clearly did not prefer: an error.
 
-Tolerance: TIE_ULPS ulps of the best logit's magnitude in the model's dtype. bfloat16 keeps 8 significant bits
-(7 stored), so a logit in [16, 32) is a multiple of 1/8 and 4 ulps is 0.5; float16 keeps 11 bits (4 ulps at
-16 is 1/16). The baseline, the method and the reference forward each round every layer's output independently,
-so one or two ulps of disagreement in the final logits is routine; four leaves room for that without excusing a
-token that is clearly worse. In float32 runs nothing is excused: any divergence is an error.
+What counts as a near-tie (TIE_ULPS ulps of the best logit in the model's dtype; never in float32) is defined
+once, in accelgen/bench/near_tie.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 
+from accelgen.bench.near_tie import LLAMACPP_TIE, is_near_tie, tie_gap, tie_tolerance
 from accelgen.models.llamacpp import LlamaCppModel
-
-TIE_ULPS = 4
-# llama.cpp: a one-token decode and a block decode (and KV cells in another order) differ by up to about one logit
-# on a 4-bit model, so two tokens this close to the best are tied (docs/llamacpp-engine.md)
-LLAMACPP_TIE = 1.0
-SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11}  # including the implicit leading bit
 
 
 @dataclass(frozen=True)
@@ -61,19 +52,6 @@ def first_difference(baseline: list[int], other: list[int]) -> int | None:
     return None if len(baseline) == len(other) else min(len(baseline), len(other))
 
 
-def ulp(value: float, dtype: torch.dtype) -> float:
-    """Spacing of representable numbers of dtype around value."""
-    _, exponent = math.frexp(abs(value))  # abs(value) = mantissa * 2**exponent, mantissa in [0.5, 1)
-    return 2.0 ** (exponent - SIGNIFICAND_BITS[dtype])
-
-
-def tie_tolerance(dtype: torch.dtype, magnitude: float) -> float | None:
-    """How far below the best logit a token may be and still count as tied; None: nothing is a tie (float32)."""
-    if dtype not in SIGNIFICAND_BITS:
-        return None
-    return TIE_ULPS * ulp(magnitude, dtype)
-
-
 def classify(reference_logits: torch.Tensor, position: int, baseline_token: int, method_token: int,
              dtype: torch.dtype | None, tolerance: float | None = None) -> Divergence:
     """Judge one divergence from the reference logits (vocab,) at the first differing position (tolerance: given,
@@ -83,10 +61,10 @@ def classify(reference_logits: torch.Tensor, position: int, baseline_token: int,
     baseline_logit = float(reference_logits[baseline_token])
     method_logit = float(reference_logits[method_token])
     tolerance = tolerance if tolerance is not None else tie_tolerance(dtype, top1)
-    gap = top1 - min(baseline_logit, method_logit)  # how far the worse of the two is below the best
+    gap = tie_gap(reference_logits, baseline_token, method_token)  # how far the worse of the two is below the best
     if tolerance is None:
         classification, reason = "error", f"{dtype_name(dtype)} run: any divergence is an error"
-    elif gap <= tolerance:
+    elif is_near_tie(reference_logits, baseline_token, method_token, dtype, tolerance):
         classification, reason = "near-tie", f"both tokens within {gap:.4g} of the best logit (tolerance {tolerance:.4g})"
     else:
         classification, reason = "error", f"a token is {gap:.4g} below the best logit (tolerance {tolerance:.4g})"

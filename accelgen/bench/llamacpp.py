@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 from accelgen.bench.records import generation_record
+from accelgen.errors import InputError
 from accelgen.models.loading import gguf_file
 
 PEERS = {
@@ -42,7 +43,7 @@ def xllamacpp():
     try:
         import xllamacpp as module
     except ImportError:
-        raise ValueError(f"the llama.cpp rows need the xllamacpp package: {INSTALL_HINT}") from None
+        raise InputError(f"the llama.cpp rows need the xllamacpp package: {INSTALL_HINT}") from None
     return module
 
 
@@ -69,7 +70,7 @@ def make_server(peer: str, model: str, draft: str | None, threads: int, options:
     speculative, kinds = params.speculative, xl.common_speculative_type
     if peer == "llamacpp-draft":
         if draft is None:
-            raise ValueError("llamacpp-draft needs a draft model (pass --draft)")
+            raise InputError("llamacpp-draft needs a draft model (pass --draft)")
         speculative.types = [kinds.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
         speculative.draft.mparams.path = str(gguf_file(draft))
         speculative.draft.cpuparams.n_threads = speculative.draft.cpuparams_batch.n_threads = threads

@@ -11,6 +11,7 @@ from pathlib import Path
 from accelgen.atomic import write_json_atomically, write_text_atomically
 from accelgen import hardware
 from accelgen.bench import metrics, plots
+from accelgen.bench.near_tie import LLAMACPP_TIE, TIE_ULPS
 from accelgen.bench.rows import BASELINE, LOSSLESS
 from accelgen.bench.runner import AUDITS_FILE, EXECUTIONS_FILE, RECORDS_FILE, RUN_FILE, read_jsonl
 
@@ -298,7 +299,8 @@ def legend(greedy: bool) -> list[str]:
                      f"row itself is compared with {BASELINE} for quality only (what the format costs, no lossless "
                      "check). Each divergence of "
                      "a lossless method is audited: a *near-tie* is a rounding difference between nearly equal "
-                     "logits, an *error* is not.")
+                     f"logits (both tokens within {TIE_ULPS} ulps of the best logit in the model's dtype, "
+                     f"{LLAMACPP_TIE:g} logit on llama.cpp; never in float32), an *error* is not.")
         lines.append(f"- agreement: share of positions holding {BASELINE}'s token (a missing token counts as a "
                      "difference), averaged over prompts; what a lossy method gives up for its speed. ROUGE-L: "
                      f"F1 of the longest common token subsequence with {BASELINE}'s output (forgives shifts).")

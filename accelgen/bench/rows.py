@@ -23,6 +23,7 @@ from accelgen.bench.llamacpp import OPTIONS as LLAMACPP_OPTIONS
 from accelgen.bench.llamacpp import PEERS as LLAMACPP_PEERS
 from accelgen.bench.llamacpp import LlamaCppPeers
 from accelgen.bench.records import generation_record
+from accelgen.errors import InputError
 from accelgen.prompts import eos_token_ids
 from accelgen.models.loading import check_weights
 from accelgen.method_options import base_method, parse_variant
@@ -64,7 +65,7 @@ class BenchMethod:
         if self.source != "accelgen":  # accelgen's loop options (cache=, compile=) are not HF's or llama.cpp's
             stray = sorted(set(options) & set(LOOP_OPTIONS) - set(self.options))
             if stray:
-                raise ValueError(f"method {self.name!r} has no option {', '.join(map(repr, stray))}; its options "
+                raise InputError(f"method {self.name!r} has no option {', '.join(map(repr, stray))}; its options "
                                  f"are: {', '.join(sorted(self.options)) or 'none'}")
         return merge_options(self.name, self.options, options)
 
@@ -120,7 +121,7 @@ def available_methods() -> dict[str, BenchMethod]:
     methods = {**HF_METHODS, **LLAMACPP_METHODS}
     for spec in list_methods():
         if spec.name in methods:
-            raise ValueError(f"accelgen method {spec.name!r} clashes with a benchmark baseline name")
+            raise InputError(f"accelgen method {spec.name!r} clashes with a benchmark baseline name")
         methods[spec.name] = BenchMethod(spec.name, "accelgen", spec.family, spec.lossless, tuple(spec.needs),
                                          dict(spec.options), spec.summary, spec.can_sample)
     return methods
@@ -130,7 +131,7 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
     """The method called `name`: a known one, or a variant base@option=value+option=value of one."""
     base_name = base_method(name)
     if base_name not in methods:
-        raise ValueError(f"unknown method {base_name!r}; available: {', '.join(methods)}")
+        raise InputError(f"unknown method {base_name!r}; available: {', '.join(methods)}")
     _, values = parse_variant(name)
     if not values:
         return methods[base_name]
@@ -140,11 +141,11 @@ def variant(methods: dict[str, BenchMethod], name: str) -> BenchMethod:
     draft = values.pop("draft", None)
     weights, draft_weights = values.pop("weights", base.weights), values.pop("draft_weights", base.draft_weights)
     if draft is not None and "draft_model" not in base.needs:
-        raise ValueError(f"method variant {name!r}: {base_name} takes no draft model")
+        raise InputError(f"method variant {name!r}: {base_name} takes no draft model")
     for given in (weights, draft_weights):
         check_weights(given)
     if base.source != "accelgen" and (weights != base.weights or draft_weights != base.draft_weights):
-        raise ValueError(f"method variant {name!r}: {base_name} runs in its own weight format")
+        raise InputError(f"method variant {name!r}: {base_name} runs in its own weight format")
     return dataclasses.replace(base, name=name, options=base.check_options(values),
                                draft=None if draft is None else str(draft), fixed=tuple(values),
                                weights=weights, draft_weights=draft_weights)
@@ -188,16 +189,16 @@ def resolve_methods(
             unmet = unmet_needs(method, resources, method.given_options(options))
             if unmet:
                 hint = " (pass --draft)" if "draft_model" in unmet else ""
-                raise ValueError(f"method {method.name!r} needs {', '.join(unmet)}{hint}")
+                raise InputError(f"method {method.name!r} needs {', '.join(unmet)}{hint}")
             if temperature > 0 and not method.can_sample:
-                raise ValueError(f"method {method.name!r} supports greedy decoding only (temperature 0)")
+                raise InputError(f"method {method.name!r} supports greedy decoding only (temperature 0)")
         if BASELINE not in names:
             chosen.insert(0, methods[BASELINE])
             notes.append(f"added {BASELINE}: every speedup is measured against it")
     chosen.sort(key=lambda method: method.name != BASELINE)  # stable: baseline first, the rest as given
     stray = sorted(set(options) - {name for method in chosen for name in (method.name, method.registered_name)})
     if stray:
-        raise ValueError(f"options given for {', '.join(map(repr, stray))}, which is not among the methods run")
+        raise InputError(f"options given for {', '.join(map(repr, stray))}, which is not among the methods run")
     return chosen, notes
 
 
@@ -304,7 +305,7 @@ def static_kwargs(compile, max_cache_len: int | None) -> dict:
     elif compile is False:
         kwargs["disable_compile"] = True
     elif compile != "auto":
-        raise ValueError(f"compile={compile!r}: choose 'auto', true or false")
+        raise InputError(f"compile={compile!r}: choose 'auto', true or false")
     return kwargs
 
 

@@ -31,6 +31,7 @@ from accelgen.bench.rows import (BASELINE, PROMPT_RESOURCES, STATIC_ROWS, BenchM
                                  static_cache_length, static_path_refusal)
 from accelgen.bench.metrics import compare_with_baseline
 from accelgen.drafters.draft_tree import draft_weights_for
+from accelgen.errors import InputError
 from accelgen.heads.shipping import shipped_drafters
 from accelgen.models.loading import check_weights, load_model, resolve_device
 from accelgen.models.timing import forward_seconds
@@ -69,15 +70,15 @@ class BenchConfig:
         check_weights(self.draft_weights)
         resolve_device(self.device)  # a device that is not there, before any model loads
         if self.on_gpu and "gguf" in (self.weights, self.draft_weights):
-            raise ValueError(f"weights=gguf runs on llama.cpp's CPU engine only, not on {self.device}")
+            raise InputError(f"weights=gguf runs on llama.cpp's CPU engine only, not on {self.device}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+            raise InputError(f"threads must be >= 1, got {self.threads}")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be >= 1, got {self.limit}")
+            raise InputError(f"limit must be >= 1, got {self.limit}")
 
     @property
     def on_gpu(self) -> bool:
@@ -112,7 +113,7 @@ def plan(config: BenchConfig) -> Plan:
     notes += static_compile_notes(methods, options, config)
     prompts = load_dataset(config.dataset, config.limit, config.categories)
     if not prompts:
-        raise ValueError(f"dataset {config.dataset!r} gave no prompts")
+        raise InputError(f"dataset {config.dataset!r} gave no prompts")
     return Plan(config, prompts, methods, options, notes, check_gguf(config, methods))
 
 
@@ -120,7 +121,7 @@ def without_cpu_rows(methods: list[BenchMethod], notes: list[str], config: Bench
     """A run on a GPU without llama.cpp's rows, which run on the CPU: named, they are an error; else left out."""
     cpu_rows = [m.name for m in methods if m.source == "llamacpp" or "gguf" in (m.weights, m.draft_weights)]
     if cpu_rows and config.methods is not None:
-        raise ValueError(f"{', '.join(cpu_rows)} run{'s' * (len(cpu_rows) == 1)} on llama.cpp's CPU engine only, "
+        raise InputError(f"{', '.join(cpu_rows)} run{'s' * (len(cpu_rows) == 1)} on llama.cpp's CPU engine only, "
                          f"not on {config.device}: leave {'it' if len(cpu_rows) == 1 else 'them'} out")
     skipped = [f"skipping {name}: llama.cpp runs on the CPU only, this run on {config.device}" for name in cpu_rows]
     return [m for m in methods if m.name not in cpu_rows], notes + skipped
@@ -224,7 +225,7 @@ def check_devices(config: BenchConfig, model, draft_model) -> None:
     device = resolve_device(config.device)
     for what, each in (("target", model), ("draft model", draft_model)):
         if each is not None and torch.device(each.device) != device:
-            raise ValueError(f"the {what} is on {each.device} but the run's device is {device}: load it there "
+            raise InputError(f"the {what} is on {each.device} but the run's device is {device}: load it there "
                              f"(load_model(..., device={str(device)!r}))")
 
 
@@ -277,7 +278,7 @@ class RowModels:
 
     def target(self, method: BenchMethod):
         if method.source == "hf" and self.weights_of(method) == "gguf":
-            raise ValueError(f"{method.name} runs transformers' generate() and needs a PyTorch model, not weights=gguf")
+            raise InputError(f"{method.name} runs transformers' generate() and needs a PyTorch model, not weights=gguf")
         return self.targets.get(self.weights_of(method))
 
     def draft(self, method: BenchMethod):
@@ -358,7 +359,7 @@ def open_run(out_dir: Path, identity: dict, overwrite: bool) -> dict | None:
         return None
     if not path.exists():
         if (out_dir / RECORDS_FILE).exists():
-            raise ValueError(f"{out_dir} holds records but no {RUN_FILE}; use --overwrite or another --out")
+            raise InputError(f"{out_dir} holds records but no {RUN_FILE}; use --overwrite or another --out")
         return None
     saved = json.loads(path.read_text())
     differing = [key for key in identity["config"]
@@ -366,7 +367,7 @@ def open_run(out_dir: Path, identity: dict, overwrite: bool) -> dict | None:
     if saved.get("prompts_fingerprint") != identity["prompts_fingerprint"]:
         differing.append("prompts")
     if differing:
-        raise ValueError(f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
+        raise InputError(f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
                          "use --overwrite to replace it or another --out")
     return saved
 

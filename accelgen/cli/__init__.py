@@ -3,16 +3,17 @@ extra a command needs. Each command is a module of this package (a trainer, one 
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import version as distribution_version
 from typing import Optional
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
 
 from accelgen.cli import (advise, bench, bench_sot, calibrate, data, datastore, export, generate, list_methods,
                           loadtest, models, nar, profile, serve, sot, train, tune)
-from accelgen.cli.common import console
+from accelgen.cli.common import DEBUG_VARIABLE, console
+from accelgen.cli.flags import App, PlainGroup
 
 # The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
 EXTRA_OF_MODULE = {
@@ -38,7 +39,7 @@ def missing_extra_hint(command: str, error: ModuleNotFoundError) -> Optional[str
     return f"accelgen {command} needs the {extra} extra: pip install 'accelgen[{extra}]'"
 
 
-class ExtrasHintGroup(TyperGroup):
+class ExtrasHintGroup(PlainGroup):
     """The command group: a command that imports a module of an extra that is not installed ends with the
     extra to install (exit 2), not a ModuleNotFoundError traceback. Commands import such modules lazily, so
     every other command, and --help, works without them."""
@@ -54,8 +55,8 @@ class ExtrasHintGroup(TyperGroup):
             raise typer.Exit(2) from None
 
 
-app = typer.Typer(cls=ExtrasHintGroup, add_completion=False, no_args_is_help=True,
-                  help="Faster generation for Hugging Face causal LMs.")
+app = App(cls=ExtrasHintGroup, add_completion=False, no_args_is_help=True,
+          help="Faster generation for Hugging Face causal LMs.")
 
 
 def show_version(requested: bool) -> None:
@@ -68,8 +69,11 @@ def show_version(requested: bool) -> None:
 def common_options(
     version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
                                  help="Print accelgen's version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of input errors too (as ACCELGEN_DEBUG=1)."),
 ):
     """Options given before the command (the app's help text is the Typer's)."""
+    if debug:  # the environment carries it to the processes a command starts (accelerate launch, loadtest's server)
+        os.environ[DEBUG_VARIABLE] = "1"
 
 
 # in the order `accelgen --help` lists them

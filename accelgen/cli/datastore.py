@@ -17,8 +17,10 @@ from typing import Iterator, Optional
 import typer
 
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
+from accelgen.cli.flags import App
+from accelgen.errors import InputError
 
-datastore_app = typer.Typer(no_args_is_help=True, help="Retrieval datastores for the `rest` method.")
+datastore_app = App(no_args_is_help=True, help="Retrieval datastores for the `rest` method.")
 
 
 def sharegpt_texts(limit: Optional[int] = None) -> Iterator[str]:
@@ -84,7 +86,7 @@ def dataset_texts(dataset: str, limit: Optional[int] = None) -> Iterator[str]:
         from accelgen.datasets.regenerated import regenerated_texts
 
         return islice(regenerated_texts(dataset.removeprefix("regenerated:")), limit)
-    raise ValueError(f"unknown dataset {dataset!r}; use sharegpt, jsonl:FILE or regenerated:DIR (several: joined "
+    raise InputError(f"unknown dataset {dataset!r}; use sharegpt, jsonl:FILE or regenerated:DIR (several: joined "
                      "by commas)")
 
 
@@ -118,7 +120,7 @@ def load_tokenizer(name: str):
 def build(
     model: str = typer.Option(..., "--model", "-m", help="Model whose tokenizer the datastore is for."),
     dataset: str = typer.Option("sharegpt", "--dataset", help="sharegpt, jsonl:FILE or regenerated:DIR."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder to write the datastore into."),
+    out: Path = typer.Option(..., "--out", help="Folder to write the datastore into."),
     limit: Optional[int] = typer.Option(None, help="Use only the first LIMIT conversations / lines."),
     sort_depth: int = typer.Option(64, "--sort-depth", help="Longest lookup the datastore promises (rest's max_query may not exceed it)."),
 ):

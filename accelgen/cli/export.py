@@ -8,8 +8,9 @@ from typing import Optional
 import typer
 
 from accelgen.cli.common import FILE_ERRORS, console, reported_errors
+from accelgen.cli.flags import App
 
-export_app = typer.Typer(no_args_is_help=True, help="Export trained drafters for other runtimes.")
+export_app = App(no_args_is_help=True, help="Export trained drafters for other runtimes.")
 
 EXPORT_OUT_HELP = "Folder for the checkpoint; one that holds anything is refused without --force."
 EXPORT_FORCE_HELP = "Write into a non-empty --out, replacing an earlier export there."
@@ -18,7 +19,7 @@ EXPORT_FORCE_HELP = "Write into a non-empty --out, replacing an earlier export t
 @export_app.command("vllm")
 def export_vllm(
     head: str = typer.Argument(..., help="A head folder: `accelgen train eagle` or `accelgen train medusa --out ...`."),
-    out: str = typer.Option(..., "--out", "-o", help=EXPORT_OUT_HELP),
+    out: str = typer.Option(..., "--out", help=EXPORT_OUT_HELP),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Medusa heads: the target whose LM head vLLM "
                                         "needs a copy of (default: the model the heads were trained for)."),
     whole_vocab: bool = typer.Option(False, "--whole-vocab", help="EAGLE: export a head trained with a draft "
@@ -43,7 +44,7 @@ def export_vllm(
 @export_app.command("sglang")
 def export_sglang(
     head: str = typer.Argument(..., help="An EAGLE head folder (`accelgen train eagle --out ...`)."),
-    out: str = typer.Option(..., "--out", "-o", help=EXPORT_OUT_HELP),
+    out: str = typer.Option(..., "--out", help=EXPORT_OUT_HELP),
     force: bool = typer.Option(False, "--force", help=EXPORT_FORCE_HELP),
 ):
     """An EAGLE head in the checkpoint layout SGLang's EAGLE loads, its draft vocabulary as a token map."""

@@ -11,7 +11,7 @@ import typer
 from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION,
                                  WEIGHTS_OPTION, console, format_options, load_target_and_draft, reported_errors,
                                  set_threads, target_weights_for)
-from accelgen.method_options import parse_options
+from accelgen.method_options import parse_options_of
 
 
 def generate(
@@ -21,19 +21,22 @@ def generate(
     method: str = typer.Option("autoregressive", "--method", help="A method from `accelgen methods`."),
     heads: Optional[str] = typer.Option(None, "--heads", "--head", help="Trained heads folder, for methods that take "
                                         "heads (medusa, blockwise, eagle, calm, consistent-ee); = -o heads=..."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=0, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens only (0: all)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the likeliest tokens holding this much "
+                                                     "probability (1: all)."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed (the same seed gives the same text)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Dtype of the draft model (as --dtype)."),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
     device: Optional[str] = DEVICE_OPTION,
-    option: list[str] = typer.Option([], "--option", "-o", help="Method option name=value (repeatable), e.g. -o gamma=8."),
+    option: list[str] = typer.Option([], "--option", "-o", metavar="[METHOD.]NAME=VALUE",
+                                     help="Method option name=value (or method.name=value; repeatable), "
+                                          "e.g. -o gamma=8."),
     as_json: bool = typer.Option(False, "--json", help="Print text, token_ids, finish_reason and stats as one JSON object."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is committed."),
     threads: Optional[int] = THREADS_OPTION,
@@ -47,7 +50,7 @@ def generate(
         prompt = sys.stdin.read()
     with reported_errors():
         spec = accelgen.get_method(method)
-        options = spec.check_options({**parse_options(option, spec.options), **({"heads": heads} if heads else {})})
+        options = spec.check_options({**parse_options_of(method, option), **({"heads": heads} if heads else {})})
         spec.check_needs(draft_model=draft, how="--draft")  # before loading the target, which may take a while
         draft_weights = draft_weights_for([method], draft, draft_weights, device=device, threads=threads)
         weights = target_weights_for([method], model, weights, dtype, device, threads)

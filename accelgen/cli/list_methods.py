@@ -1,4 +1,4 @@
-"""`accelgen methods`: the registered methods as a table, JSON, or the README's Markdown table."""
+"""`accelgen methods`: the registered methods as a table, JSON, or the Markdown table of docs/methods.md."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from accelgen.cli.common import format_options, table_console
 
 
 def methods(
-    as_json: bool = typer.Option(False, "--json"),
-    markdown: bool = typer.Option(False, "--markdown", help="The README's method table."),
+    as_json: bool = typer.Option(False, "--json", help="Print the methods as JSON."),
+    markdown: bool = typer.Option(False, "--markdown", help="The Markdown table of docs/methods.md."),
 ):
     """List the registered methods: family, what they need, lossless class, options, paper."""
     import accelgen

@@ -18,7 +18,7 @@ from accelgen.method_options import split_list
 def loadtest(
     url: Optional[str] = typer.Option(None, help="A running server (loopback only); default: start one with --model."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Model of the server started here."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d"),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model of the server started here."),
     methods: str = typer.Option("autoregressive", help="Methods to compare, comma-separated (each gets equal time)."),
     serve_option: list[str] = typer.Option([], "--serve-option", help="Extra `accelgen serve` argument (repeatable), "
                                                                          "e.g. --serve-option=--max-batch=16."),
@@ -27,8 +27,9 @@ def loadtest(
     rounds: int = typer.Option(1, help="Rounds: every method runs once per round, in turn."),
     dataset: str = typer.Option("sharegpt", help="Prompts (sent as chat messages)."),
     limit: int = typer.Option(200, help="Distinct prompts to cycle through."),
-    max_tokens: int = typer.Option(64, "--max-tokens"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ACCELGEN_API_KEY"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of every request."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ACCELGEN_API_KEY",
+                                          help="The server's key (or set ACCELGEN_API_KEY)."),
     out: Path = typer.Option(Path("results/loadtest"), help="Folder for loadtest.json and report.md."),
 ):
     """Load-test a server with concurrent streaming clients: throughput, latency percentiles, τ, memory."""
@@ -63,7 +64,7 @@ def loadtest(
             config["server"] = "accelgen " + " ".join(server_command)
         else:
             config["server"] = url
-        with reported_errors((ValueError,)):
+        with reported_errors():
             result = asyncio.run(run_load(url, prompts, method_list, clients, duration, rounds, max_tokens, api_key, show))
     save(result, out, config)
     print((out / "report.md").read_text())

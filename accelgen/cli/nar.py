@@ -21,9 +21,11 @@ import typer
 
 from accelgen.cli.common import DEVICE_OPTION, FILE_ERRORS, INPUT_ERRORS, MODEL_HELP, WEIGHTS_HELP, check_device, \
     console, reported_errors, set_threads, table_console
+from accelgen.cli.flags import App
+from accelgen.errors import InputError
 from accelgen.nar.task import SUMMARY_MAX_NEW_TOKENS
 
-nar_app = typer.Typer(no_args_is_help=True, help="Non-autoregressive models: code-summary data, generation, benchmark.")
+nar_app = App(no_args_is_help=True, help="Non-autoregressive models: code-summary data, generation, benchmark.")
 
 
 def parse_options(function, pairs: list[str], what: str) -> dict:
@@ -36,7 +38,7 @@ def parse_options(function, pairs: list[str], what: str) -> dict:
         name = name.strip().replace("-", "_")
         if not equals or name not in parameters or name in ("self", "config", "src_ids", "src_mask"):
             known = [each for each in parameters if each not in ("self", "config", "src_ids", "src_mask")]
-            raise ValueError(f"-o {pair!r}: {what} takes {', '.join(known) or 'no options'} (as NAME=VALUE)")
+            raise InputError(f"-o {pair!r}: {what} takes {', '.join(known) or 'no options'} (as NAME=VALUE)")
         default = parameters[name].default
         try:
             if isinstance(default, bool):
@@ -50,7 +52,7 @@ def parse_options(function, pairs: list[str], what: str) -> dict:
             else:
                 value = text
         except ValueError:
-            raise ValueError(f"-o {pair!r}: {name} must be a {type(default).__name__}") from None
+            raise InputError(f"-o {pair!r}: {name} must be a {type(default).__name__}") from None
         options[name] = value
     return options
 
@@ -70,7 +72,7 @@ def methods():
 
 @nar_app.command("data")
 def data(
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for the task (the mined corpus is cached there)."),
+    out: Path = typer.Option(..., "--out", help="Folder for the task (the mined corpus is cached there)."),
     vocab_size: int = typer.Option(8000, "--vocab-size", min=6, help="Compact vocabulary: the most frequent pieces."),
     held_out_fraction: float = typer.Option(0.1, "--held-out-fraction", help="Share of the examples in each of "
                                             "the valid and test splits (whole packages)."),
@@ -95,11 +97,13 @@ def data(
 @nar_app.command("distill")
 def distill(
     task: Path = typer.Option(..., "--task", help="A folder made by `accelgen nar data`."),
-    teacher: str = typer.Option("qwen2.5-coder-0.5b", "--teacher", "-m", help=MODEL_HELP),
+    teacher: str = typer.Option("qwen2.5-coder-0.5b", "--teacher", help="The AR model whose summaries the NAR models "
+                                "learn from: " + MODEL_HELP[0].lower() + MODEL_HELP[1:]),
     limit: Optional[int] = typer.Option(None, min=1, help="Summarise only the first LIMIT examples of each split."),
     splits: list[str] = typer.Option(["train", "valid", "test"], "--split", help="Splits to summarise (repeatable)."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Prompts per batched forward."),
-    max_new_tokens: int = typer.Option(SUMMARY_MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1),
+    max_new_tokens: int = typer.Option(SUMMARY_MAX_NEW_TOKENS, "--max-new-tokens", "-n", min=1,
+                                       help="Longest summary, in tokens."),
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP + " Default auto: the fastest measured here "
                                 "(prefill dominates; on some CPUs bf16 prefill is several times slower than fp32)."),
     device: Optional[str] = DEVICE_OPTION,
@@ -116,7 +120,7 @@ def distill(
     with reported_errors(INPUT_ERRORS):
         unknown = [split for split in splits if split not in SPLITS]
         if unknown:
-            raise ValueError(f"--split {unknown[0]}: choose among {', '.join(SPLITS)}")
+            raise InputError(f"--split {unknown[0]}: choose among {', '.join(SPLITS)}")
         loaded = load_task(task)  # (also: a clear error for a folder that is no task)
         total = sum(len(loaded.splits[split][:limit]) for split in splits)
         with console.status(f"loading {teacher} …"):
@@ -140,8 +144,9 @@ def distill(
 def generate(
     source: str = typer.Argument(..., help="The function's source ('-': read it from standard input)."),
     model_folder: Path = typer.Option(..., "--model", "-m", help="A folder written by `accelgen train nar`."),
-    option: list[str] = typer.Option([], "--option", "-o", help="Decoding option NAME=VALUE (e.g. iterations=4 "
-                                     "for mask-predict; see the method's generate)."),
+    option: list[str] = typer.Option([], "--option", "-o", metavar="NAME=VALUE",
+                                     help="Decoding option NAME=VALUE (e.g. iterations=4 for mask-predict; see the "
+                                          "method's generate)."),
     as_json: bool = typer.Option(False, "--json", help="The summary, its token ids and the time as JSON."),
 ):
     """Summarise one Python function with a trained NAR model."""
@@ -154,7 +159,7 @@ def generate(
     with reported_errors(INPUT_ERRORS):
         text = sys.stdin.read() if source == "-" else source
         if not text.strip():
-            raise ValueError("the function's source is empty")
+            raise InputError("the function's source is empty")
         model, vocabulary = load_trained(model_folder)
         options = parse_options(model.generate, option, f"{model.method}'s generate")
         src = torch.tensor([vocabulary.encode(text)])  # too long for the encoder: it says so by name
@@ -174,7 +179,7 @@ def bench(
     task: Path = typer.Option(..., "--task", help="A folder made by `accelgen nar data` (and distilled)."),
     models: list[Path] = typer.Option(..., "--model", "-m", help="Trained model folders (repeatable); the one "
                                       "whose method is ar is the baseline of the speedups."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for results.json, report.md and quality_speed.png."),
+    out: Path = typer.Option(..., "--out", help="Folder for results.json, report.md and quality_speed.png."),
     examples: int = typer.Option(500, min=1, help="Test examples scored for quality and throughput."),
     latency_examples: int = typer.Option(50, "--latency-examples", min=1, help="Of those, timed one at a time."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Batch of the throughput measurement."),
@@ -209,7 +214,7 @@ def bench(
         for folder in models:
             model, vocabulary = load_trained(folder)
             if vocabulary.tokenizer_ids != loaded_task.vocabulary.tokenizer_ids:
-                raise ValueError(f"{folder} was trained on another vocabulary than {task}'s")
+                raise InputError(f"{folder} was trained on another vocabulary than {task}'s")
             name = model.method if model.method not in names else f"{model.method} ({folder.name})"
             names.add(name)
             runs.append(ModelRun(name, model, model.generate))

@@ -8,15 +8,15 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION,
-                                 console, load_target_and_draft, set_threads, table_console)
+from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION,
+                                 WEIGHTS_OPTION, console, load_target_and_draft, set_threads, table_console)
 
 
 def profile(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model: also measure c and predict γ."),
-    dtype: Optional[str] = typer.Option(None),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Dtype of the draft model (as --dtype)."),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
     device: Optional[str] = DEVICE_OPTION,
@@ -32,7 +32,7 @@ def profile(
     remeasure: bool = typer.Option(False, "--remeasure", help="Measure the cached costs again (after a change "
                                                               "to the machine, its load or the libraries)."),
     threads: Optional[int] = THREADS_OPTION,
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
 ):
     """Forward costs: verification cost r(k), the draft's cost ratio c, and the predicted best γ.
 

@@ -9,6 +9,7 @@ import typer
 
 from accelgen.cli.common import (DEVICE_OPTION, DTYPE_HELP, MODEL_HELP, console, load_target_and_draft,
                                  reported_errors, set_threads)
+from accelgen.errors import InputError
 from accelgen.method_options import parse_method_options, split_list
 from accelgen.models.loading import DRAFT_WEIGHTS_HELP, WEIGHTS_HELP
 
@@ -31,9 +32,11 @@ def serve(
                                            "(docs/server.md, \"For vLLM users\")."),
     allow_methods: str = typer.Option("", "--allow-methods",
                                       help="Other methods requests may pick with the body field `method`, comma-separated."),
-    option: list[str] = typer.Option([], "--option", "-o", help="Method option method.name=value (repeatable)."),
+    option: list[str] = typer.Option([], "--option", "-o", metavar="[METHOD.]NAME=VALUE",
+                                     help="Method option method.name=value (repeatable), or name=value where one "
+                                          "method is served."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (127.0.0.1: this machine only)."),
-    port: int = typer.Option(8000, min=1, max=65535),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ACCELGEN_API_KEY",
                                           help="Require Authorization: Bearer <key> (or set ACCELGEN_API_KEY)."),
     max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Sequences per batched forward."),
@@ -56,7 +59,7 @@ def serve(
                                          help="Seconds requests in flight may take to finish on shutdown; then "
                                               "they are aborted and answered (finish_reason \"abort\")."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Dtype of the draft model (as --dtype)."),
     weights: Optional[str] = typer.Option(None, "--weights", help=WEIGHTS_HELP),
     draft_weights: Optional[str] = typer.Option(None, "--draft-weights", help=DRAFT_WEIGHTS_HELP),
     device: Optional[str] = DEVICE_OPTION,
@@ -86,12 +89,14 @@ def serve(
         origins = vllm_options.allowed_origins(allowed_origins)
         template = vllm_options.chat_template(chat_template) if chat_template is not None else None
         methods = [method] + [name for name in split_list(allow_methods) or [] if name != method]
-        options = parse_method_options(option)
+        options = parse_method_options(option, methods)
         options[method] = {**translated, **options.get(method, {})}  # -o refines what the JSON set
         unserved = sorted(set(options) - set(methods))
         if unserved:
-            raise ValueError(f"options given for {', '.join(unserved)}, which this server does not serve ({', '.join(methods)})")
+            raise InputError(f"options given for {', '.join(unserved)}, which this server does not serve ({', '.join(methods)})")
         options = {name: accelgen.get_method(name).check_options(options.get(name, {})) for name in methods}
+        for name in methods:  # before loading the target, which may take a while
+            accelgen.get_method(name).check_needs(draft_model=draft, how="--draft (-d)")
         draft_weights = draft_weights_for(methods, draft, draft_weights, device=device, threads=threads)
         target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                      draft_weights, device)
@@ -123,7 +128,7 @@ def serve(
 def chosen_model(argument: Optional[str], option: Optional[str]) -> str:
     """The model, given as the argument (vLLM's `serve MODEL`) or --model."""
     if argument is not None and option is not None and argument != option:
-        raise ValueError(f"two models given, {argument!r} and --model {option!r}: give one")
+        raise InputError(f"two models given, {argument!r} and --model {option!r}: give one")
     return argument or option or DEFAULT_MODEL
 
 
@@ -137,9 +142,9 @@ def speculation_options(speculative_config: Optional[str], method: Optional[str]
 
     speculation = translated(speculative_config)
     if method is not None and method != speculation.method:
-        raise ValueError(f"--speculative-config means --method {speculation.method}, but --method {method} is given: "
+        raise InputError(f"--speculative-config means --method {speculation.method}, but --method {method} is given: "
                          "give one")
     if draft is not None and speculation.draft is not None and draft != speculation.draft:
-        raise ValueError(f"--speculative-config names the draft {speculation.draft!r}, but -d {draft!r} is given: "
+        raise InputError(f"--speculative-config names the draft {speculation.draft!r}, but -d {draft!r} is given: "
                          "give one")
     return speculation.method, speculation.draft or draft, speculation.options

@@ -12,7 +12,7 @@ import typer
 
 from accelgen.cli.common import (DEVICE_OPTION, DTYPE_HELP, MODEL_HELP, THREADS_OPTION, WEIGHTS_OPTION, console,
                                  load_with_progress, reported_errors, set_threads)
-from accelgen.method_options import parse_options
+from accelgen.method_options import parse_options_of
 
 
 def sot(
@@ -24,7 +24,8 @@ def sot(
     router: Optional[Path] = typer.Option(None, "--router", help="A router folder from `accelgen train sot-router` "
                                           "(default: no router, SoT is always tried)."),
     method: str = typer.Option("autoregressive", "--method", help="The method every stage decodes with."),
-    option: list[str] = typer.Option([], "--option", "-o", help="Method option name=value (repeatable)."),
+    option: list[str] = typer.Option([], "--option", "-o", metavar="[METHOD.]NAME=VALUE",
+                                     help="Option of --method, name=value (or method.name=value; repeatable)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1,
                                        help="The answer's budget, split between the points."),
     skeleton_tokens: int = typer.Option(96, "--skeleton-tokens", min=1, help="The skeleton's own budget."),
@@ -42,7 +43,7 @@ def sot(
     with reported_errors():
         check_question(question)  # before loading the model, which takes a while
         spec = accelgen.get_method(method)
-        options = spec.check_options(parse_options(option, spec.options))
+        options = spec.check_options(parse_options_of(method, option))
         target_model, tokenizer = load_with_progress(model, dtype, weights, device)
         chosen_router = None if router is None else SkeletonRouter.load(router, target_model)
         answer = generate(target_model, tokenizer, question, router=chosen_router, max_new_tokens=max_new_tokens,

@@ -7,17 +7,17 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, THREADS_OPTION, WEIGHTS_OPTION, console,
-                                 format_options, load_prompts, load_target_and_draft, reported_errors, require_modules,
-                                 set_threads, table_console)
+from accelgen.cli.common import (DEVICE_OPTION, DRAFT_WEIGHTS_OPTION, DTYPE_HELP, THREADS_OPTION, WEIGHTS_OPTION,
+                                 console, format_options, load_prompts, load_target_and_draft, reported_errors,
+                                 require_modules, set_threads, table_console)
 
 
 def tune(
     method: str = typer.Argument(..., help="What to tune: self-speculative (its skipped layers) or auto (its choice)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded name or local folder (the result is saved beside it)."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="auto: the draft model it may use."),
-    dtype: Optional[str] = typer.Option(None),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype"),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Dtype of the draft model (as --dtype)."),
     weights: Optional[str] = WEIGHTS_OPTION,
     draft_weights: Optional[str] = DRAFT_WEIGHTS_OPTION,
     device: Optional[str] = DEVICE_OPTION,
@@ -25,9 +25,9 @@ def tune(
                                                   "auto saves its choice under this workload name."),
     prompts: int = typer.Option(3, help="Number of calibration prompts."),
     trials: int = typer.Option(40, help="self-speculative: skip sets to try (the first is the default one)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", min=1, help="Tokens generated per calibration prompt."),
     gamma: int = typer.Option(4, help="self-speculative: draft length while tuning."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, help="Seed of the search (the same seed tries the same skip sets)."),
     threads: Optional[int] = THREADS_OPTION,
 ):
     """Tune for a model on this machine: the layers self-speculative skips, or the method auto picks."""
@@ -45,7 +45,7 @@ def tune(
     target_model, tokenizer, draft_model = load_target_and_draft(model, dtype, weights, draft, draft_dtype,
                                                                  draft_weights, device)
     calibration = [prompt_token_ids(tokenizer, prompt) for prompt in chosen]
-    with reported_errors((ValueError, RuntimeError)):
+    with reported_errors():
         if method == "auto":
             tune_auto_command(target_model, tokenizer, draft_model, calibration, dataset, max_new_tokens)
         else:

@@ -18,6 +18,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
+from accelgen.errors import InputError
 from accelgen.prompts import encode_prompt
 
 DATASETS = ("humaneval", "humaneval-long", "sharegpt", "sharegpt-train", "specbench", "specbench:<file>", "jsonl:<file>")
@@ -59,7 +60,7 @@ def load_dataset(spec: str, limit: int | None = None, categories: list[str] | No
     elif name == "jsonl" and argument:
         prompts = load_jsonl(Path(argument))
     else:
-        raise ValueError(f"unknown dataset {spec!r}; choose one of: {', '.join(DATASETS)}")
+        raise InputError(f"unknown dataset {spec!r}; choose one of: {', '.join(DATASETS)}")
     check_unique_ids(prompts, spec)
     if categories:
         prompts = filter_categories(prompts, categories)
@@ -69,10 +70,10 @@ def load_dataset(spec: str, limit: int | None = None, categories: list[str] | No
 def prompt_token_ids(tokenizer, prompt: Prompt, prompt_format: str = "auto") -> list[int]:
     """Token ids the model is given: the chat template around a user message, or the raw text."""
     if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"unknown prompt format {prompt_format!r}; choose one of {PROMPT_FORMATS}")
+        raise InputError(f"unknown prompt format {prompt_format!r}; choose one of {PROMPT_FORMATS}")
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if prompt_format == "chat" and not has_template:
-        raise ValueError("--prompt-format chat: this tokenizer has no chat template")
+        raise InputError("--prompt-format chat: this tokenizer has no chat template")
     as_chat = prompt_format == "chat" or (prompt_format == "auto" and prompt.chat and has_template)
     return encode_prompt(tokenizer, [{"role": "user", "content": prompt.text}] if as_chat else prompt.text)
 
@@ -170,7 +171,7 @@ def load_specbench(path: Path) -> list[Prompt]:
     for line_number, item in read_jsonl(path):
         missing = [key for key in ("question_id", "category", "turns") if key not in item]
         if missing:
-            raise ValueError(f"{path}:{line_number}: a Spec-Bench question needs {', '.join(missing)}")
+            raise InputError(f"{path}:{line_number}: a Spec-Bench question needs {', '.join(missing)}")
         prompts.append(Prompt(str(item["question_id"]), str(item["category"]), first_turn(item, path, line_number), chat=True))
     return prompts
 
@@ -187,14 +188,14 @@ def load_jsonl(path: Path) -> list[Prompt]:
         elif "turns" in item:
             prompts.append(Prompt(prompt_id, category, first_turn(item, path, line_number), chat=True))
         else:
-            raise ValueError(f'{path}:{line_number}: each line needs "prompt" (text) or "turns" (list of texts)')
+            raise InputError(f'{path}:{line_number}: each line needs "prompt" (text) or "turns" (list of texts)')
     return prompts
 
 
 def first_turn(item: dict, path: Path, line_number: int) -> str:
     turns = item["turns"]
     if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-        raise ValueError(f'{path}:{line_number}: "turns" must be a non-empty list of texts')
+        raise InputError(f'{path}:{line_number}: "turns" must be a non-empty list of texts')
     return turns[0]
 
 
@@ -209,9 +210,9 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+                raise InputError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
             if not isinstance(item, dict):
-                raise ValueError(f"{path}:{line_number}: each line must be a JSON object")
+                raise InputError(f"{path}:{line_number}: each line must be a JSON object")
             yield line_number, item
 
 
@@ -227,7 +228,7 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20, truncated_ok: bool =
     with open(path, encoding="utf-8") as source:
         buffer = source.read(chunk_chars).lstrip()
         if not buffer.startswith("["):
-            raise ValueError(f"{path}: expected a JSON array")
+            raise InputError(f"{path}: expected a JSON array")
         position = 1
         while True:
             position = _SEPARATORS.match(buffer, position).end()
@@ -243,7 +244,7 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20, truncated_ok: bool =
                 if not more:
                     if truncated_ok:
                         return
-                    raise ValueError(f"{path}: malformed or truncated JSON array") from None
+                    raise InputError(f"{path}: malformed or truncated JSON array") from None
                 buffer, position = buffer[position:] + more, 0
                 continue
             yield element
@@ -255,7 +256,7 @@ def check_unique_ids(prompts: list[Prompt], spec: str) -> None:
     seen = set()
     for prompt in prompts:
         if prompt.id in seen:
-            raise ValueError(f"dataset {spec!r}: prompt id {prompt.id!r} occurs twice; ids must be unique")
+            raise InputError(f"dataset {spec!r}: prompt id {prompt.id!r} occurs twice; ids must be unique")
         seen.add(prompt.id)
 
 
@@ -263,7 +264,7 @@ def filter_categories(prompts: list[Prompt], categories: list[str]) -> list[Prom
     available = list(dict.fromkeys(p.category for p in prompts))
     unknown = [c for c in categories if c not in available]
     if unknown:
-        raise ValueError(f"no category {', '.join(map(repr, unknown))} in this dataset; it has: {', '.join(available)}")
+        raise InputError(f"no category {', '.join(map(repr, unknown))} in this dataset; it has: {', '.join(available)}")
     return [p for p in prompts if p.category in categories]
 
 

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from accelgen.errors import InputError
+
 MANIFEST = "manifest.json"
 FORMAT = "accelgen-regenerated"
 VERSION = 1
@@ -24,9 +26,9 @@ def read_manifest(folder) -> dict | None:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest.get("format") != FORMAT or not isinstance(manifest.get("settings"), dict) \
                 or not isinstance(manifest.get("shards"), list):
-            raise ValueError(f"not a {FORMAT} manifest")
+            raise InputError(f"not a {FORMAT} manifest")
     except (ValueError, AttributeError) as error:
-        raise ValueError(f"{path} is not the manifest of regenerated data ({error}); delete {folder} or choose "
+        raise InputError(f"{path} is not the manifest of regenerated data ({error}); delete {folder} or choose "
                          "another --out") from None
     return manifest
 
@@ -45,17 +47,17 @@ def regenerated_records(folder) -> Iterator[dict]:
         raise FileNotFoundError(f"no regenerated data in {folder} (no {MANIFEST}): make it with "
                                 "`accelgen data regenerate --out DIR`")
     if not manifest["shards"]:
-        raise ValueError(f"{folder} holds no answered shard yet; run `accelgen data regenerate` there further")
+        raise InputError(f"{folder} holds no answered shard yet; run `accelgen data regenerate` there further")
     return (record for entry in manifest["shards"] for record in shard_records(folder, entry))
 
 
 def shard_records(folder: Path, entry: dict) -> list[dict]:
     path = folder / entry["file"]
     if not path.is_file():
-        raise ValueError(f"{path} is missing though {folder / MANIFEST} lists it")
+        raise InputError(f"{path} is missing though {folder / MANIFEST} lists it")
     records = read_records(path)
     if len(records) != entry["prompts"]:
-        raise ValueError(f"{path} holds {len(records)} answers, {folder / MANIFEST} says {entry['prompts']}")
+        raise InputError(f"{path} holds {len(records)} answers, {folder / MANIFEST} says {entry['prompts']}")
     return records
 
 

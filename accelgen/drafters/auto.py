@@ -37,6 +37,7 @@ from accelgen.models.loading import beside_weights
 from accelgen.profile import interpolate
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.budget import budgeted
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, get_method, register
 from accelgen.theory import best_gamma, predicted_speedup
 
@@ -187,7 +188,7 @@ def _make(build: BuildContext, options: AutoOptions) -> AutoDrafter:
     choice = load_choice(target_model, draft_model, workload)
     if choice is None:
         if workload:
-            raise ValueError(f"auto: no calibration saved for workload {workload!r} with this draft model; "
+            raise InputError(f"auto: no calibration saved for workload {workload!r} with this draft model; "
                              f"run `accelgen tune auto --dataset {workload}` first")
         choice = uncalibrated_choice(target_model, draft_model, build.tokenizer)
     spec = get_method(choice["method"])

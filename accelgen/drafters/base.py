@@ -64,3 +64,22 @@ class Drafter:
     def describe(self) -> dict | None:
         """What the drafter chose, and why (a policy such as `auto`), for the result's stats; None: nothing."""
         return None
+
+
+class ContextCursor:
+    """What is new in a request's context since the drafter last read it: only the new tokens leave the tensor,
+    so that reading costs what a step adds, not the context so far. `tokens` holds everything read, as a list.
+
+    Within a request the context only grows; a shorter one is another request's, read from its start."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    def new_since_last(self, context: torch.Tensor) -> list[int]:
+        """context: (L,) long. The tokens appended since the last call (all of them at first or after a restart)."""
+        if len(context) < len(self.tokens):
+            self.tokens = []
+        new = context[len(self.tokens) :].tolist()
+        self.tokens.extend(new)
+        return new
+

@@ -17,6 +17,7 @@ import torch
 from accelgen.draft import Draft
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.draft_model import DraftModelDrafter, draft_model_drafter
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.verify import greedy_rule_verifier, verify_bild
 
@@ -49,10 +50,10 @@ class FallbackOptions(MethodOptions):
     def __post_init__(self):
         if isinstance(self.fallback_threshold, bool) or not isinstance(self.fallback_threshold, (int, float)) \
                 or not 0 <= self.fallback_threshold <= 1:
-            raise ValueError(f"bild: fallback_threshold (a probability) must be in [0, 1], got "
+            raise InputError(f"bild: fallback_threshold (a probability) must be in [0, 1], got "
                              f"{self.fallback_threshold!r}")
         if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or self.max_draft < 1:
-            raise ValueError(f"bild: max_draft must be an integer >= 1, got {self.max_draft!r}")
+            raise InputError(f"bild: max_draft must be an integer >= 1, got {self.max_draft!r}")
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class RollbackOptions(MethodOptions):
     def __post_init__(self):
         if isinstance(self.rollback_threshold, bool) or not isinstance(self.rollback_threshold, (int, float)) \
                 or not self.rollback_threshold >= 0:
-            raise ValueError(f"bild: rollback_threshold (a cross-entropy) must be a number >= 0, got "
+            raise InputError(f"bild: rollback_threshold (a cross-entropy) must be a number >= 0, got "
                              f"{self.rollback_threshold!r}")
 
 

@@ -17,6 +17,7 @@ from accelgen import hardware
 from accelgen.costs import MAX_DRAFT, SELF_DRAFT_COST, DraftBudget, measured_budget
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import Drafter
+from accelgen.errors import InputError
 from accelgen.models.batch import forward_alone
 
 # The default of a draft-length option (gamma) of the methods whose drafts the measured budget caps by default
@@ -41,7 +42,7 @@ class BudgetedDrafter(Drafter):
 
     def __init__(self, inner: Drafter, budget: DraftBudget):
         if inner.drafts_with_target or inner.drafts_in_verify:
-            raise ValueError(f"{type(inner).__name__} drafts within a target forward, which it pays whatever its "
+            raise InputError(f"{type(inner).__name__} drafts within a target forward, which it pays whatever its "
                              "draft's length: a draft budget cannot apply to it")
         self.inner = inner
         self.draft_budget = budget
@@ -104,7 +105,7 @@ def draft_length(value: int | str, usual: int, name: str = "gamma") -> int:
     if value == AUTO_LENGTH:
         return usual
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 or {AUTO_LENGTH!r}, got {value!r}")
+        raise InputError(f"{name} must be an integer >= 1 or {AUTO_LENGTH!r}, got {value!r}")
     return value
 
 

@@ -28,6 +28,7 @@ from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import draft_model_drafter
 from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
@@ -39,7 +40,7 @@ class CascadeDrafter(Drafter):
                  gamma: int = USUAL_GAMMA, tail_tokens: int = 3, stage_two_tokens: int = 4, max_ngram: int = 3):
         check_at_least_one(gamma=gamma)
         if tail_tokens < 0:
-            raise ValueError(f"tail_tokens must be >= 0, got {tail_tokens}")
+            raise InputError(f"tail_tokens must be >= 0, got {tail_tokens}")
         self.sampling = sampling
         self.gamma = gamma
         self.tail_tokens = tail_tokens

@@ -16,6 +16,7 @@ import torch
 
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import DraftingOptions, check_vocabularies, scheduled_draft_model_drafter
+from accelgen.errors import InputError
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodSpec, Part, register
 
@@ -35,12 +36,12 @@ def check_distilled(target_model, draft_model) -> dict:
     """The draft's distillspec.json, after checking that it was distilled for this target; else a ValueError."""
     path = beside_weights(draft_model, DISTILLSPEC_FILE)
     if path is None or not path.is_file():
-        raise ValueError(f"distillspec needs a draft distilled for this target, with {DISTILLSPEC_FILE} beside its "
+        raise InputError(f"distillspec needs a draft distilled for this target, with {DISTILLSPEC_FILE} beside its "
                          f"weights; this draft has none. Distill one with `{HOW_TO_DISTILL}` and pass --draft FOLDER "
                          "(or use --method speculative for an undistilled draft)")
     info = json.loads(path.read_text())
     if info.get("target_fingerprint") != model_fingerprint(target_model):
-        raise ValueError(f"this draft was distilled for {info.get('target')!r}, not for this target; distill one for "
+        raise InputError(f"this draft was distilled for {info.get('target')!r}, not for this target; distill one for "
                          f"it with `{HOW_TO_DISTILL}`")
     return info
 

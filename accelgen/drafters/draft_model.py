@@ -31,7 +31,8 @@ from accelgen.drafters.draft_decoding import TokenChoice, decode_draft_steps
 from accelgen.models.batch import forward_alone
 from accelgen.models.llamacpp import LlamaCppModel
 from accelgen.models.engines import runner_for
-from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.base import BuildContext, ContextCursor, Drafter
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
 
@@ -89,13 +90,14 @@ class DraftModelDrafter(Drafter):
         gamma "auto": DRAFT_GAMMA (the loop caps each draft by the measured costs: MethodSpec.draft_budget)."""
         gamma = draft_length(gamma, DRAFT_GAMMA)
         if gamma_schedule not in GAMMA_SCHEDULES:
-            raise ValueError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
+            raise InputError(f"unknown gamma_schedule {gamma_schedule!r}; choose one of {GAMMA_SCHEDULES}")
         self.runner = runner_for(draft_model) if isinstance(draft_model, (torch.nn.Module, LlamaCppModel)) else draft_model
         self.choice = TokenChoice(sampling, generator, confidence_threshold, greedy_draft_probs)
         self.gamma = max_gamma if gamma_schedule == "cost" else gamma
         self.gamma_schedule = gamma_schedule
         self.max_gamma = max_gamma
         self.cached_tokens: list[int] = []  # tokens whose KV the draft cache holds, in order
+        self.read = ContextCursor()  # the context as a list, read a step's tokens at a time
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         return forward_alone(self.draft_steps(context, max_nodes))
@@ -103,7 +105,8 @@ class DraftModelDrafter(Drafter):
     def draft_steps(self, context: torch.Tensor, max_nodes: int):
         """propose() as a generator of its draft-model forwards: yields (runner, token_ids) and is sent back
         the (vocab,) logits after them, so a server can run many sequences' drafts in one batched forward."""
-        tokens, draft_probs = yield from decode_draft_steps(self.runner, self.cached_tokens, context.tolist(),
+        self.read.new_since_last(context)
+        tokens, draft_probs = yield from decode_draft_steps(self.runner, self.cached_tokens, self.read.tokens,
                                                             min(self.gamma, max_nodes), self.choice)
         return Draft.chain(torch.tensor(tokens, dtype=torch.long), draft_probs)
 
@@ -126,7 +129,7 @@ def scheduled(drafter: DraftModelDrafter, target_model, draft_model=None, cost_r
 def check_vocabularies(target_model, draft_model) -> None:
     target_vocab, draft_vocab = target_model.config.vocab_size, draft_model.config.vocab_size
     if target_vocab != draft_vocab:
-        raise ValueError(
+        raise InputError(
             f"draft model vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}); "
             "speculative decoding needs a draft model with the same tokenizer"
         )

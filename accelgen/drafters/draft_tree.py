@@ -49,6 +49,7 @@ import torch
 from accelgen.draft import ROOT, Draft, to_device
 from accelgen.drafters.base import Drafter
 from accelgen.drafters.draft_decoding import catch_up
+from accelgen.errors import InputError
 from accelgen.models.engines import runner_for
 from accelgen.models.probe import choose_weights, decide
 from accelgen.registry import get_method
@@ -72,7 +73,7 @@ def draft_weights_for(methods: list[str], draft: str | None, draft_weights: str 
         return draft_weights
     pytorch = {fmt: timing for fmt, timing in probed["timings"].items() if fmt != "gguf"}
     if not pytorch:
-        raise ValueError(f"{methods_need(needing)} the draft as a PyTorch model, and the weights probe found no "
+        raise InputError(f"{methods_need(needing)} the draft as a PyTorch model, and the weights probe found no "
                          f"PyTorch format of {draft!r} here")
     weights = decide(pytorch)["weights"]
     print(f"accelgen: --draft-weights auto: {weights} for the draft, the fastest PyTorch format here: "
@@ -101,7 +102,7 @@ class DraftModelScorer:
 
     def __init__(self, draft_model):
         if not isinstance(draft_model, torch.nn.Module):
-            raise ValueError("a draft model that expands token trees level by level needs its PyTorch model; "
+            raise InputError("a draft model that expands token trees level by level needs its PyTorch model; "
                              "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32; on the "
                              "command line --draft-weights auto picks the fastest of them for this method)")
         self.runner = runner_for(draft_model)  # on a GPU: the static cache, each level's forward a CUDA graph
@@ -168,7 +169,7 @@ class DraftTreeDrafter(Drafter):
         elif branching is not None:
             self.shape = shape_from_branching(branching)
         elif width < 1 or depth < 1 or max_nodes < 1:
-            raise ValueError(f"a dynamic tree needs width, depth and max_nodes >= 1, got {width}, {depth}, {max_nodes}")
+            raise InputError(f"a dynamic tree needs width, depth and max_nodes >= 1, got {width}, {depth}, {max_nodes}")
         else:
             self.shape = None
         self.scorer = scorer
@@ -286,7 +287,7 @@ def shape_from_branching(branching: list[int]) -> dict[tuple[int, ...], int]:
     """{path: number of children} of the tree where every node of depth d has branching[d] children."""
     branching = [int(width) for width in branching]
     if not branching or min(branching) < 1:
-        raise ValueError(f"branching must be a non-empty list of positive widths, got {branching}")
+        raise InputError(f"branching must be a non-empty list of positive widths, got {branching}")
     shape, level = {}, [()]
     for width in branching:
         shape.update({path: width for path in level})
@@ -303,17 +304,17 @@ def shape_from_paths(paths: list[list[int]]) -> dict[tuple[int, ...], int]:
     try:
         given = {tuple(int(rank) for rank in path) for path in paths}
     except (TypeError, ValueError):
-        raise ValueError(f"paths must be a list of lists of child ranks, e.g. [[0], [1], [0, 0]], got {paths!r}") from None
+        raise InputError(f"paths must be a list of lists of child ranks, e.g. [[0], [1], [0, 0]], got {paths!r}") from None
     children: dict[tuple[int, ...], set[int]] = {}
     for path in sorted(given):
         if not path or min(path) < 0:
-            raise ValueError(f"paths must be non-empty lists of ranks >= 0, got {list(path)}")
+            raise InputError(f"paths must be non-empty lists of ranks >= 0, got {list(path)}")
         if len(path) > 1 and path[:-1] not in given:
-            raise ValueError(f"path {list(path)} needs its prefix {list(path[:-1])} among the paths")
+            raise InputError(f"path {list(path)} needs its prefix {list(path[:-1])} among the paths")
         children.setdefault(path[:-1], set()).add(path[-1])
     for parent, ranks in children.items():
         if ranks != set(range(len(ranks))):
-            raise ValueError(f"the children of {list(parent)} must be ranks 0..{len(ranks) - 1} without gaps, "
+            raise InputError(f"the children of {list(parent)} must be ranks 0..{len(ranks) - 1} without gaps, "
                              f"got {sorted(ranks)}")
     return {parent: len(ranks) for parent, ranks in children.items()}
 

@@ -38,6 +38,7 @@ from accelgen import cache as kv
 from accelgen.draft import ROOT, causal, to_device, tree_attention
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter, with_ancestors
+from accelgen.errors import InputError
 from accelgen.heads.eagle import EagleHead
 from accelgen.heads.lm_head import DraftLMHead
 from accelgen.heads.shipping import shipped_drafters, shipped_head
@@ -53,7 +54,7 @@ def reads_layers(target: ModelRunner, head) -> None:
     if head.target_layers is None:
         return
     if not hasattr(target, "keep_layers"):
-        raise ValueError(f"an EAGLE-3 head reads the target's layers {list(head.target_layers)}, which only a "
+        raise InputError(f"an EAGLE-3 head reads the target's layers {list(head.target_layers)}, which only a "
                          f"PyTorch model's runner keeps; load the target in a PyTorch format, not with llama.cpp")
     target.keep_layers = head.target_layers
     target.keep_hidden = False  # the final features are not read
@@ -134,7 +135,7 @@ def _make_eagle(build: BuildContext, options: EagleOptions) -> DraftTreeDrafter:
     folder = options.heads or shipped_head(build.target_model, "eagle")
     if folder is None:
         shipping = [name for name in EMBEDDED_MODELS if "eagle" in shipped_drafters(name)]
-        raise ValueError(f"eagle needs a trained EAGLE head: heads=FOLDER (from `accelgen train eagle --model M "
+        raise InputError(f"eagle needs a trained EAGLE head: heads=FOLDER (from `accelgen train eagle --model M "
                          f"--out FOLDER`); heads ship only for the embedded {', '.join(shipping) or 'none'}")
     head = EagleHead.load(folder, build.target_model)  # either recipe, checked to fit the target
     reads_layers(build.target, head)

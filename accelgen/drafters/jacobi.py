@@ -23,6 +23,7 @@ import torch
 
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
@@ -40,7 +41,7 @@ def next_guess(target_logits: torch.Tensor, accepted: int) -> list[int]:
 class JacobiDrafter(Drafter):
     def __init__(self, block_size: int = 8):
         if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise InputError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.guess: list[int] = []  # the current iterate for the positions after the root
 

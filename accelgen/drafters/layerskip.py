@@ -19,6 +19,7 @@ import torch
 from accelgen import cache as kv
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import SelfDraftingOptions, make_self_drafter
+from accelgen.errors import InputError
 from accelgen.models.block import Block
 from accelgen.models.layouts import Decoder
 from accelgen.models.runner import ModelRunner
@@ -64,7 +65,7 @@ class ExitDraftRunner(ModelRunner):
     def forward(self, token_ids: torch.Tensor, tree: torch.Tensor | None = None, logits_for_last: int = 0) -> torch.Tensor:
         """As ModelRunner.forward for a chain; tokens the draft already fed start above the exit."""
         if tree is not None:
-            raise ValueError("layerskip verifies chains of draft tokens, not trees")
+            raise InputError("layerskip verifies chains of draft tokens, not trees")
         start, m = self.length, token_ids.shape[0]
         drafted = min(self.lower_length - start, m)  # leading tokens whose lower layers the draft computed
         kv.crop(self.cache, start + drafted, layers=range(self.exit_layer + 1))
@@ -140,7 +141,7 @@ def exit_layer_of(model, exit_layer: int | None) -> int:
     layer_count = model.config.num_hidden_layers
     exit_layer = layer_count // 2 - 1 if exit_layer is None else exit_layer
     if not 0 <= exit_layer < layer_count - 1:
-        raise ValueError(f"layerskip: exit_layer must be a layer below the last (0..{layer_count - 2}), got {exit_layer}")
+        raise InputError(f"layerskip: exit_layer must be a layer below the last (0..{layer_count - 2}), got {exit_layer}")
     return exit_layer
 
 

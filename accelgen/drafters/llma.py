@@ -19,6 +19,7 @@ from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.candidate_tree import draft_from_candidates
 from accelgen.drafters.prompt_lookup import NGramIndex, check_at_least_one, check_size_range
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 DOCUMENT_BREAK = -1  # between references in the index: no n-gram of real tokens matches across it
@@ -33,7 +34,7 @@ def reference_token_ids(references, tokenizer=None) -> list[list[int]]:
     for reference in references:
         if isinstance(reference, str):
             if tokenizer is None:
-                raise ValueError(
+                raise InputError(
                     "text references need the tokenizer, which this drafter was not given; "
                     "pass token ids instead: references=[tokenizer(text, add_special_tokens=False).input_ids, ...]"
                 )

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
-from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.base import BuildContext, ContextCursor, Drafter
 from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.candidate_tree import draft_from_candidates
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
@@ -93,30 +94,29 @@ def spread(tokens: list[int], count: int) -> list[int]:
 class LookaheadDecodingDrafter(Drafter):
     def __init__(self, window_size: int = 3, ngram_size: int = 3, guess_set_size: int = 2, max_nodes: int | None = None):
         if window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {window_size}")
+            raise InputError(f"window_size must be >= 1, got {window_size}")
         if ngram_size < 2:
-            raise ValueError(f"ngram_size must be >= 2, got {ngram_size}")
+            raise InputError(f"ngram_size must be >= 2, got {ngram_size}")
         if guess_set_size < 0:
-            raise ValueError(f"guess_set_size must be >= 0, got {guess_set_size}")
+            raise InputError(f"guess_set_size must be >= 0, got {guess_set_size}")
         if max_nodes is not None and max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, 'auto' or None, got {max_nodes}")
+            raise InputError(f"max_nodes must be >= 1, 'auto' or None, got {max_nodes}")
         self.max_nodes = max_nodes
         self.window_size, self.ngram_size = window_size, ngram_size
         self.pool = NGramPool(guess_set_size)
         self.levels: list[list[int]] = []  # the window; empty until the prompt is seen
         self.recent: list[int] = []  # the last ngram_size - 1 committed tokens, to pool n-grams across steps
-        self.seen = 0  # context tokens already pooled
+        self.read = ContextCursor()  # context tokens already pooled
         self._deepest: list[int] | None = None  # last draft: node index of each column's deepest level
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long; the whole prompt is read once, then only the tokens committed since."""
         if self.max_nodes is not None:
             max_nodes = min(max_nodes, self.max_nodes)
-        new = context[self.seen :].tolist()
+        new = self.read.new_since_last(context)
         if not self.levels:  # first step: a spine long enough to lose one column per warm-up step
             self.levels = [spread(new, self.window_size + self.ngram_size - 2)]
         self._pool_committed(new)
-        self.seen = len(context)
 
         window_nodes = len(self.levels) * len(self.levels[0])
         with_window = window_nodes <= max_nodes  # near max_new_tokens the window does not fit: skip it

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict
-from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.drafters.base import BuildContext, ContextCursor, Drafter
 from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.prompt_lookup import check_at_least_one
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 
@@ -60,9 +61,9 @@ class LookaheadTrie:
 
     def __init__(self, depth: int = 12, capacity: int = 100_000):
         if depth < 2:
-            raise ValueError(f"depth must be >= 2, got {depth}")
+            raise InputError(f"depth must be >= 2, got {depth}")
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+            raise InputError(f"capacity must be >= 1, got {capacity}")
         self.depth = depth
         self.capacity = capacity
         self.root = TrieNode()
@@ -225,35 +226,34 @@ class TrieLookaheadDrafter(Drafter):
                  max_prefix: int = 4, prompt_boost: float = 1e4):
         check_at_least_one(max_nodes=max_nodes, branch_length=branch_length, max_prefix=max_prefix)
         if prompt_boost < 0:
-            raise ValueError(f"prompt_boost must be >= 0, got {prompt_boost}")
+            raise InputError(f"prompt_boost must be >= 0, got {prompt_boost}")
         if trie is not None and not isinstance(trie, LookaheadTrie):
             raise TypeError(f"trie must be a LookaheadTrie, not {type(trie).__name__}")
         self.trie = trie if trie is not None else LookaheadTrie(depth=max_prefix + branch_length)
         if self.trie.vocab_size is None:
             self.trie.vocab_size = vocab_size
         elif self.trie.vocab_size != vocab_size:
-            raise ValueError(f"this LookaheadTrie holds tokens of a {self.trie.vocab_size}-token vocabulary; "
+            raise InputError(f"this LookaheadTrie holds tokens of a {self.trie.vocab_size}-token vocabulary; "
                              f"the target has {vocab_size}: use one trie per tokenizer")
         self.max_nodes, self.branch_length = max_nodes, branch_length
         self.max_prefix, self.prompt_boost = max_prefix, prompt_boost
         self.request: int | None = None
         self.tail: list[int] = []  # the last committed tokens, enough to start every window and prefix
-        self.seen = 0  # context tokens already inserted
+        self.read = ContextCursor()  # context tokens already inserted
         self._close = None
 
     def propose(self, context: torch.Tensor, max_nodes: int) -> Draft:
         """context: (L,) long; the whole prompt is read once, then only the tokens committed since."""
         keep = max(self.trie.depth - 1, self.max_prefix)
+        new = self.read.new_since_last(context)
         if self.request is None:
-            prompt = context.tolist()
+            prompt = new
             self.request = self.trie.open_request(prompt)
             self._close = weakref.finalize(self, self.trie.eliminate, self.request)
             self.tail = prompt[-keep:]
         else:
-            new = context[self.seen :].tolist()
             self.trie.insert_output(self.tail + new, len(new))
             self.tail = (self.tail + new)[-keep:]
-        self.seen = len(context)
         return self.trie.retrieve(self.tail, self.request, max_nodes=min(self.max_nodes, max_nodes),
                                   branch_length=self.branch_length, max_prefix=self.max_prefix,
                                   prompt_boost=self.prompt_boost)

@@ -28,6 +28,7 @@ import torch
 
 from accelgen.draft import Draft, Verdict, causal, tree_attention
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.errors import InputError
 from accelgen.heads.mask_tokens import MaskTokens
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions
@@ -76,7 +77,7 @@ class MaskDrafter(Drafter):
         """masks: how many of the k trained masks a group holds (0: all); mask i sees only masks before it, so the
         first j give the rows they would give in a whole group, for a shorter draft at a cheaper forward."""
         if not 0 <= masks <= tokens.count:
-            raise ValueError(f"masks={masks}: these mask tokens have {tokens.count} masks (0 uses all)")
+            raise InputError(f"masks={masks}: these mask tokens have {tokens.count} masks (0 uses all)")
         self.masks = masks or tokens.count
         self.group = tokens.group.detach()[: len(tokens.prompts) + self.masks]  # (p + masks, d)
         self.next_draft = Draft.empty()  # hangs below the current root
@@ -123,7 +124,7 @@ def runner_maker(method: str):
 
     def make(model, options: MaskOptions) -> MaskRunner:
         if not options.heads:
-            raise ValueError(f"{method} needs trained mask tokens: --head FOLDER "
+            raise InputError(f"{method} needs trained mask tokens: --head FOLDER "
                              f"(from `accelgen train {method} --model M --out FOLDER`)")
         tokens = MaskTokens.load(options.heads, model, method).to(model.dtype)
         return MaskRunner(model, tokens)
@@ -133,5 +134,5 @@ def runner_maker(method: str):
 
 def make_drafter(build: BuildContext, options: MaskDraftOptions) -> MaskDrafter:
     if not isinstance(build.target, MaskRunner):
-        raise ValueError("mask-token drafting needs its own target runner (MaskRunner), which the loop builds")
+        raise InputError("mask-token drafting needs its own target runner (MaskRunner), which the loop builds")
     return MaskDrafter(build.target.mask_tokens, options.masks)

@@ -30,6 +30,7 @@ import torch
 from accelgen.draft import depths, to_device
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_tree import DraftTreeDrafter
+from accelgen.errors import InputError
 from accelgen.heads.medusa import MedusaHeads
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
@@ -70,7 +71,7 @@ class MedusaScorer:
 
 def load(target_model, heads) -> MedusaHeads:
     if not heads:
-        raise ValueError("this method needs trained Medusa heads: heads=FOLDER "
+        raise InputError("this method needs trained Medusa heads: heads=FOLDER "
                          "(from `accelgen train medusa --model M --out FOLDER`)")
     return MedusaHeads.load(heads, target_model)
 
@@ -103,7 +104,7 @@ def _make_medusa(build: BuildContext, options: MedusaOptions) -> DraftTreeDrafte
     sampling, generator, depth = build.sampling, build.generator, options.depth
     if options.width:  # dynamic
         if depth > len(medusa):
-            raise ValueError(f"depth {depth} is deeper than the {len(medusa)} tokens the heads guess ahead")
+            raise InputError(f"depth {depth} is deeper than the {len(medusa)} tokens the heads guess ahead")
         return DraftTreeDrafter(scorer, sampling, generator, width=options.width, depth=depth or len(medusa),
                                 max_nodes=options.max_nodes or 32)
     # the default, as deep as the heads go
@@ -111,7 +112,7 @@ def _make_medusa(build: BuildContext, options: MedusaOptions) -> DraftTreeDrafte
     drafter = DraftTreeDrafter(scorer, sampling, generator, paths=paths)
     deepest = max(map(len, drafter.shape)) + 1
     if deepest > len(medusa):
-        raise ValueError(f"paths reach depth {deepest}, but the heads guess only {len(medusa)} tokens ahead")
+        raise InputError(f"paths reach depth {deepest}, but the heads guess only {len(medusa)} tokens ahead")
     return drafter
 
 

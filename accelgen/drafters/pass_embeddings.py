@@ -21,6 +21,7 @@ import torch
 
 from accelgen.draft import Draft
 from accelgen.drafters.base import BuildContext, Drafter
+from accelgen.errors import InputError
 from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig, draw, logits_to_probs
@@ -57,7 +58,7 @@ class PassOptions(MethodOptions):
 
 def _make(build: BuildContext, options: PassOptions) -> PassDrafter:
     if not options.heads:
-        raise ValueError("pass needs trained look-ahead embeddings: --head FOLDER "
+        raise InputError("pass needs trained look-ahead embeddings: --head FOLDER "
                          "(from `accelgen train pass --model M --out FOLDER`)")
     embeddings = LookaheadEmbeddings.load(options.heads, build.target_model).to(build.target_model.dtype)
     return PassDrafter(embeddings, build.sampling, build.generator)

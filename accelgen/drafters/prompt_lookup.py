@@ -20,6 +20,7 @@ from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.candidate_tree import draft_from_candidates
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 MAX_OCCURRENCES_PER_NGRAM = 4  # occurrences examined per branch and n-gram size: bounds the work per step
@@ -92,7 +93,7 @@ def check_size_range(shortest: tuple[str, int], longest: tuple[str, int]) -> Non
     """A ValueError unless 1 <= shortest <= longest, the n-gram sizes looked up, each given as (name, size)."""
     (shortest_name, shortest_size), (longest_name, longest_size) = shortest, longest
     if not 1 <= shortest_size <= longest_size:
-        raise ValueError(f"need 1 <= {shortest_name} <= {longest_name}, got {shortest_name}={shortest_size}, "
+        raise InputError(f"need 1 <= {shortest_name} <= {longest_name}, got {shortest_name}={shortest_size}, "
                          f"{longest_name}={longest_size}")
 
 
@@ -100,7 +101,7 @@ def check_at_least_one(**counts: int) -> None:
     """A ValueError naming the first of counts (name=count) below 1."""
     for name, count in counts.items():
         if count < 1:
-            raise ValueError(f"{name} must be >= 1, got {count}")
+            raise InputError(f"{name} must be >= 1, got {count}")
 
 
 class PromptLookupDrafter(Drafter):

@@ -46,6 +46,7 @@ from accelgen.drafters.base import BuildContext
 from accelgen.drafters.budget import BudgetedDrafter
 from accelgen.drafters.cascade import CascadeDrafter
 from accelgen.drafters.draft_model import GAMMA_SCHEDULES, DraftModelDrafter, check_vocabularies
+from accelgen.errors import InputError
 from accelgen.models.llamacpp import LlamaCppModel
 from accelgen.profile import interpolate
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
@@ -81,15 +82,15 @@ class QSpecOptions(MethodOptions):
                                      ("gamma_schedule", self.gamma_schedule, GAMMA_SCHEDULES),
                                      ("levels", self.levels, LEVELS)):
             if value not in allowed:
-                raise ValueError(f"qspec: unknown {name} {value!r}; choose one of {', '.join(allowed)}")
+                raise InputError(f"qspec: unknown {name} {value!r}; choose one of {', '.join(allowed)}")
         if self.gamma < 1 or self.max_gamma < 1:
-            raise ValueError(f"qspec: gamma and max_gamma must be >= 1, got {self.gamma} and {self.max_gamma}")
+            raise InputError(f"qspec: gamma and max_gamma must be >= 1, got {self.gamma} and {self.max_gamma}")
         if self.stage_two_tokens != "auto" and (isinstance(self.stage_two_tokens, str) or self.stage_two_tokens < 0):
-            raise ValueError(f"qspec: stage_two_tokens must be 'auto' or a count >= 0, got {self.stage_two_tokens!r}")
+            raise InputError(f"qspec: stage_two_tokens must be 'auto' or a count >= 0, got {self.stage_two_tokens!r}")
         if self.max_ngram < 1:
-            raise ValueError(f"qspec: max_ngram must be >= 1, got {self.max_ngram}")
+            raise InputError(f"qspec: max_ngram must be >= 1, got {self.max_ngram}")
         if self.levels == "pld" and self.gamma_schedule == "heuristic":
-            raise ValueError("qspec: levels=pld takes gamma_schedule cost (the default) or constant")
+            raise InputError("qspec: levels=pld takes gamma_schedule cost (the default) or constant")
 
 
 # --- the quantized copy -----------------------------------------------------------------------------------------
@@ -100,11 +101,11 @@ def check_target(target_model) -> None:
     from accelgen.models.formats import weight_format
 
     if isinstance(target_model, LlamaCppModel):
-        raise ValueError("qspec drafts for a PyTorch target with its quantized copy, but this target already runs its "
+        raise InputError("qspec drafts for a PyTorch target with its quantized copy, but this target already runs its "
                          "GGUF file on llama.cpp: load it with weights=bf16 (or fp32) to verify in full precision")
     fmt = weight_format(target_model)
     if fmt in ("int8", "int4"):
-        raise ValueError(f"qspec drafts for a bf16/fp32 target with its quantized copy, but this target is already "
+        raise InputError(f"qspec drafts for a bf16/fp32 target with its quantized copy, but this target is already "
                          f"{fmt}: load it with weights=bf16 (or fp32)")
 
 
@@ -148,7 +149,7 @@ def resolve_format(target_model, quantized: str, gguf_type: str) -> str:
     if refusal is None:
         return "gguf"
     if quantized == "gguf":
-        raise ValueError(f"qspec: quantized=gguf is not possible here: {refusal}")
+        raise InputError(f"qspec: quantized=gguf is not possible here: {refusal}")
     print(f"accelgen: qspec drafts with an int8 PyTorch copy: {refusal}", file=sys.stderr)
     return "int8"
 

@@ -42,6 +42,7 @@ from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.budget import sized_by_costs
 from accelgen.drafters.candidate_tree import CandidateTree
 from accelgen.drafters.prompt_lookup import NGramIndex, check_at_least_one, check_size_range, lookup_candidates
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
 CONTEXT_MAX_NGRAM = 3  # context=True: the longest tail looked up in the request's own text, as pld's default
@@ -79,13 +80,13 @@ def write_datastore(sequences: Iterable[Sequence[int]], path, *, sort_depth: int
     written last: a build killed at any point leaves no datastore.json (a clear error on open, naming the folder),
     never new tokens beside an old suffix array."""
     if sort_depth < 2:
-        raise ValueError(f"sort_depth must be >= 2, got {sort_depth}")
+        raise InputError(f"sort_depth must be >= 2, got {sort_depth}")
     started = time.perf_counter() if started is None else started
     pieces, count = [], 0
     for sequence in sequences:
         piece = np.asarray(list(sequence) + [SEPARATOR], dtype=np.int32)
         if piece[:-1].min(initial=0) < 0:
-            raise ValueError("token ids must be non-negative")
+            raise InputError("token ids must be non-negative")
         pieces.append(piece)
         count += 1
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
@@ -166,7 +167,7 @@ class Datastore:
         rebuild = f"rebuild the datastore with `{BUILD_COMMAND} --out {folder}`"
         self.meta = read_checked(folder / META_FILE, lambda file: json.loads(file.read_text()), rebuild)
         if self.meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"datastore at {folder} has format {self.meta.get('format')}; "
+            raise InputError(f"datastore at {folder} has format {self.meta.get('format')}; "
                              f"rebuild it (this version reads {FORMAT_VERSION})")
         self.tokens = self.open_array(TOKENS_FILE, rebuild)  # (n,) int32
         self.suffixes = self.open_array(SUFFIXES_FILE, rebuild)  # (n,) int
@@ -242,7 +243,7 @@ class RestDrafter(Drafter):
                  draft_depth: int = 6, max_nodes: int = 8, context: bool = False):
         check_size_range(("min_query", min_query), ("max_query", max_query))
         if max_query > datastore.sort_depth:
-            raise ValueError(f"max_query {max_query} exceeds the datastore's sort_depth {datastore.sort_depth}; "
+            raise InputError(f"max_query {max_query} exceeds the datastore's sort_depth {datastore.sort_depth}; "
                              "rebuild it deeper or query less")
         check_at_least_one(max_matches=max_matches, draft_depth=draft_depth, max_nodes=max_nodes)
         self.datastore = datastore
@@ -276,11 +277,11 @@ class RestDrafter(Drafter):
 def open_datastore(datastore, vocab_size: int) -> Datastore:
     """A Datastore from a path or an open Datastore, checked against the target's vocabulary."""
     if datastore is None:
-        raise ValueError("method 'rest' needs a datastore: build one with `accelgen datastore build` "
+        raise InputError("method 'rest' needs a datastore: build one with `accelgen datastore build` "
                          "and pass datastore=PATH")
     store = datastore if isinstance(datastore, Datastore) else Datastore(datastore)
     if store.meta["max_token_id"] >= vocab_size:
-        raise ValueError(
+        raise InputError(
             f"datastore {store.path} holds token id {store.meta['max_token_id']}, beyond the target's vocabulary "
             f"({vocab_size}); it was built with another tokenizer ({store.meta.get('tokenizer', 'unknown')})"
         )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import SelfDraftingOptions, make_self_drafter
+from accelgen.errors import InputError
 from accelgen.models.runner import ModelRunner
 from accelgen.models.loading import beside_weights
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
@@ -36,7 +37,7 @@ class SkipSubBlocks:
         self.skip_attention = check_layers("skip_attention", skip_attention, count)
         self.skip_mlp = check_layers("skip_mlp", skip_mlp, count)
         if len(self.skip_attention) == count:
-            raise ValueError("skip_attention skips every attention layer: the draft would not see the context")
+            raise InputError("skip_attention skips every attention layer: the draft would not see the context")
 
     def sub_blocks(self, layer: int) -> tuple[bool, bool]:
         return layer not in self.skip_attention, layer not in self.skip_mlp
@@ -51,10 +52,10 @@ def check_layers(name: str, layers, count: int) -> frozenset[int]:
     try:
         chosen = frozenset(int(index) for index in layers)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a list of layer indices, got {layers!r}") from None
+        raise InputError(f"{name} must be a list of layer indices, got {layers!r}") from None
     outside = sorted(index for index in chosen if not 0 <= index < count)
     if outside:
-        raise ValueError(f"{name}: the model has layers 0..{count - 1}, not {outside}")
+        raise InputError(f"{name}: the model has layers 0..{count - 1}, not {outside}")
     return chosen
 
 
@@ -69,7 +70,7 @@ def resolve_skip(model, skip) -> dict[str, list[int]]:
     if isinstance(skip, dict):
         unknown = sorted(set(skip) - {"skip_attention", "skip_mlp"})
         if unknown:
-            raise ValueError(f"self-speculative: skip takes skip_attention and skip_mlp, not {', '.join(unknown)}")
+            raise InputError(f"self-speculative: skip takes skip_attention and skip_mlp, not {', '.join(unknown)}")
         return {"skip_attention": list(skip.get("skip_attention", [])), "skip_mlp": list(skip.get("skip_mlp", []))}
     if skip == "tuned":
         path = beside_weights(model, SKIP_FILE)  # written by `accelgen tune`
@@ -78,7 +79,7 @@ def resolve_skip(model, skip) -> dict[str, list[int]]:
         skip = "default"
     if skip == "default":
         return default_skip(model.config.num_hidden_layers)
-    raise ValueError(f"self-speculative: skip must be 'tuned', 'default' or a dict of layer lists, got {skip!r}")
+    raise InputError(f"self-speculative: skip must be 'tuned', 'default' or a dict of layer lists, got {skip!r}")
 
 
 @dataclass(frozen=True)

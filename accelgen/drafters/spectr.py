@@ -16,6 +16,7 @@ from accelgen.drafters.base import BuildContext
 from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.draft_tree import DraftModelScorer, DraftTreeDrafter
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.verify import exact_rule_verifier, verify_spectr
 
@@ -29,7 +30,7 @@ class SpecTrOptions(MethodOptions):
 
     def __post_init__(self):
         if isinstance(self.num_drafts, bool) or not isinstance(self.num_drafts, int) or self.num_drafts < 1:
-            raise ValueError(f"spectr: num_drafts must be an integer >= 1, got {self.num_drafts!r}")
+            raise InputError(f"spectr: num_drafts must be an integer >= 1, got {self.num_drafts!r}")
         draft_length(self.gamma, USUAL_GAMMA, "spectr: gamma")
 
 

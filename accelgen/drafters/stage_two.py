@@ -29,6 +29,7 @@ import torch
 from accelgen.draft import Draft, Verdict, keep_accepted
 from accelgen.drafters.draft_decoding import roll_back
 from accelgen.drafters.prompt_lookup import NGramIndex, copy_continuation
+from accelgen.errors import InputError
 from accelgen.verify import default_verifier
 from accelgen.models.engines import runner_for
 from accelgen.models.runner import ModelRunner
@@ -59,7 +60,7 @@ class ContextNGramModel:
 
     def __init__(self, max_ngram: int):
         if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+            raise InputError(f"max_ngram must be >= 1, got {max_ngram}")
         self.max_ngram = max_ngram
         self.index = NGramIndex(2, max_ngram)  # empty index when max_ngram is 1
         self.followers: dict[int, Counter] = {}  # token -> counts of the tokens that followed it
@@ -113,7 +114,7 @@ class SelfSpeculatingDraftModel:
         proposer: what proposes those tokens (observe(context), propose(sequence, length) -> token ids, each a
         deterministic function of the sequence); by default a ContextNGramModel(max_ngram)."""
         if stage_two_tokens < 0:
-            raise ValueError(f"stage_two_tokens must be >= 0, got {stage_two_tokens}")
+            raise InputError(f"stage_two_tokens must be >= 0, got {stage_two_tokens}")
         self.runner = draft_model if isinstance(draft_model, ModelRunner) else runner_for(draft_model)
         self.sampling = sampling
         self.generator = generator

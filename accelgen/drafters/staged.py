@@ -31,6 +31,7 @@ from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import draft_model_drafter
 from accelgen.drafters.prompt_lookup import check_at_least_one
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel, StageTwoOptions
+from accelgen.errors import InputError
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig, draw
 
@@ -42,7 +43,7 @@ class StagedDrafter(Drafter):
                  gamma: int = USUAL_GAMMA, branches: int = 2, stage_two_tokens: int = 4, max_ngram: int = 3):
         check_at_least_one(gamma=gamma, branches=branches)
         if stage_two_tokens < 1:
-            raise ValueError(f"stage_two_tokens must be >= 1 (the second stage is what makes `staged`), got "
+            raise InputError(f"stage_two_tokens must be >= 1 (the second stage is what makes `staged`), got "
                              f"{stage_two_tokens}")
         self.sampling = sampling
         self.generator = generator

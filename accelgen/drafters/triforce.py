@@ -40,6 +40,7 @@ from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.budget import AUTO_LENGTH, draft_length
 from accelgen.drafters.draft_model import check_vocabularies
 from accelgen.drafters.stage_two import SelfSpeculatingDraftModel
+from accelgen.errors import InputError
 from accelgen.models.runner import ModelRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.sampling import SamplingConfig
@@ -108,7 +109,7 @@ class TriForceDrafter(Drafter):
                                    ("chunk_size", chunk_size, 1), ("budget", budget, chunk_size),
                                    ("sink", sink, 0), ("window", window, 1)):
             if value < least:
-                raise ValueError(f"triforce: {name} must be >= {least}, got {value}")
+                raise InputError(f"triforce: {name} must be >= {least}, got {value}")
         self.model = target_model
         self.sampling = sampling
         self.gamma = gamma
@@ -172,7 +173,7 @@ def root_queries(model, target: ModelRunner, root: int) -> list[torch.Tensor]:
 
     decoder_layers = getattr(getattr(model, "model", None), "layers", None)
     if decoder_layers is None or not all(hasattr(layer, "self_attn") for layer in decoder_layers):
-        raise ValueError(f"triforce needs a Llama-style decoder (model.model.layers[i].self_attn); "
+        raise InputError(f"triforce needs a Llama-style decoder (model.model.layers[i].self_attn); "
                          f"{type(model).__name__} is not one")
     hooks = [layer.self_attn.register_forward_pre_hook(read_query, with_kwargs=True) for layer in decoder_layers]
     try:
@@ -204,7 +205,7 @@ class TriForceOptions(MethodOptions):
 def _make(build: BuildContext, options: TriForceOptions) -> TriForceDrafter:
     check_vocabularies(build.target_model, build.draft_model)
     if not isinstance(build.draft_model, torch.nn.Module):
-        raise ValueError("triforce's small model keeps a StreamingLLM cache of its own, which needs its PyTorch model; "
+        raise InputError("triforce's small model keeps a StreamingLLM cache of its own, which needs its PyTorch model; "
                          "load the draft in a PyTorch format (draft weights bf16, int8, int4 or fp32; on the command "
                          "line --draft-weights auto picks the fastest of them for this method)")
     return TriForceDrafter(build.target_model, build.target, build.draft_model, build.sampling, build.generator,

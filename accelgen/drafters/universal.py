@@ -29,6 +29,7 @@ import torch
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext, Drafter
 from accelgen.drafters.draft_decoding import TokenChoice, decode_draft
+from accelgen.errors import InputError
 from accelgen.prompts import eos_token_ids
 from accelgen.models.engines import runner_for
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
@@ -139,7 +140,7 @@ class TextCodec:
 class UniversalDrafter(Drafter):
     def __init__(self, draft_model, target_tokenizer, draft_tokenizer, gamma: int = 5):
         if gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
+            raise InputError(f"gamma must be >= 1, got {gamma}")
         self.runner = runner_for(draft_model)
         self.target = TextCodec(target_tokenizer)
         self.draft = TextCodec(draft_tokenizer)
@@ -188,7 +189,7 @@ def load_draft_tokenizer(draft_tokenizer, draft_model):
         return draft_tokenizer
     source = str(draft_tokenizer or getattr(draft_model, "name_or_path", "") or "")
     if not source:
-        raise ValueError("method 'universal' needs the draft model's tokenizer, and the draft model does not say "
+        raise InputError("method 'universal' needs the draft model's tokenizer, and the draft model does not say "
                          "where it was loaded from: pass draft_tokenizer= (a tokenizer, or a name or folder; "
                          "CLI: -o draft_tokenizer=NAME)")
     from transformers import AutoTokenizer
@@ -200,7 +201,7 @@ def load_draft_tokenizer(draft_tokenizer, draft_model):
         folder = prepare_embedded(source) if source in EMBEDDED_MODELS else source
         return AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # transformers raises OSError, ValueError or a hub error, depending on the source
-        raise ValueError(f"could not load the draft tokenizer from {source!r} ({type(error).__name__}: {error}); "
+        raise InputError(f"could not load the draft tokenizer from {source!r} ({type(error).__name__}: {error}); "
                          "pass draft_tokenizer= (CLI: -o draft_tokenizer=NAME)") from error
 
 
@@ -212,7 +213,7 @@ class UniversalOptions(MethodOptions):
 
 def _make(build: BuildContext, options: UniversalOptions) -> UniversalDrafter:
     if build.tokenizer is None:
-        raise ValueError("method 'universal' needs the target tokenizer (tokenizer=)")
+        raise InputError("method 'universal' needs the target tokenizer (tokenizer=)")
     draft_tokenizer = load_draft_tokenizer(options.draft_tokenizer, build.draft_model)
     return UniversalDrafter(build.draft_model, build.tokenizer, draft_tokenizer, options.gamma)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.errors import InputError
 from accelgen.heads.exit_heads import ExitHeads
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.models.loading import beside_weights
@@ -59,10 +60,10 @@ def check_exit_layers(exit_layers, layer_count: int) -> list[int]:
     try:
         chosen = sorted({int(layer) for layer in exit_layers})
     except (TypeError, ValueError):
-        raise ValueError(f"exit_layers must be a list of layer indices, got {exit_layers!r}") from None
+        raise InputError(f"exit_layers must be a list of layer indices, got {exit_layers!r}") from None
     outside = [layer for layer in chosen if not 0 <= layer < layer_count]
     if outside:
-        raise ValueError(f"exit_layers: the model has layers 0..{layer_count - 1}, not {outside}")
+        raise InputError(f"exit_layers: the model has layers 0..{layer_count - 1}, not {outside}")
     return chosen
 
 
@@ -92,28 +93,28 @@ def calibrated_threshold(model, measure: str) -> float:
     path = beside_weights(model, CALIBRATION_FILE)  # written by `accelgen calibrate calm`
     saved = json.loads(path.read_text()) if path is not None and path.exists() else {}
     if measure not in saved:
-        raise ValueError(f"calm: no calibrated threshold for measure {measure!r} yet; run "
+        raise InputError(f"calm: no calibrated threshold for measure {measure!r} yet; run "
                          f"`accelgen calibrate calm --measure {measure}` first, or give threshold=<number>")
     return float(saved[measure]["threshold"])
 
 
 def make_rule(model, *, measure: str, threshold, exit_layers, heads: ExitHeads | None = None) -> ConfidentExit:
     if measure not in MEASURES:
-        raise ValueError(f"calm: measure must be one of {', '.join(MEASURES)}, not {measure!r}")
+        raise InputError(f"calm: measure must be one of {', '.join(MEASURES)}, not {measure!r}")
     if threshold == "calibrated":
         threshold = calibrated_threshold(model, measure)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"calm: threshold must be a number in [0, 1] or 'calibrated', not {threshold!r}")
+        raise InputError(f"calm: threshold must be a number in [0, 1] or 'calibrated', not {threshold!r}")
     if exit_layers is None and heads is not None:
         exit_layers = heads.layers  # where the heads were trained
     layers = check_exit_layers(exit_layers, model.config.num_hidden_layers)
     if measure == "classifier":
         if heads is None:
-            raise ValueError("calm: measure 'classifier' needs trained exit heads: heads=FOLDER "
+            raise InputError("calm: measure 'classifier' needs trained exit heads: heads=FOLDER "
                              "(from `accelgen train exit-heads`)")
         untrained = [layer for layer in layers if layer not in heads.layers]
         if untrained:
-            raise ValueError(f"calm: the exit heads have no classifier for layers {untrained} (trained: {heads.layers})")
+            raise InputError(f"calm: the exit heads have no classifier for layers {untrained} (trained: {heads.layers})")
     return ConfidentExit(measure, float(threshold), frozenset(layers), heads)
 
 

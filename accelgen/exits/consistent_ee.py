@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.errors import InputError
 from accelgen.exits.calm import make_runner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
@@ -24,7 +25,7 @@ class ConsistentExitOptions(MethodOptions):
 def _make_runner(model, options: ConsistentExitOptions):
     heads, threshold = options.heads, options.threshold
     if not heads:
-        raise ValueError("consistent-ee needs a trained exit policy: heads=FOLDER "
+        raise InputError("consistent-ee needs a trained exit policy: heads=FOLDER "
                          "(from `accelgen train consistent-ee --out FOLDER`)")
     return make_runner(model, heads=heads, measure="classifier", threshold=threshold, exit_layers=None)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.errors import InputError
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
@@ -112,12 +113,12 @@ def make_rule(model, *, exit_layer, threshold, agreement) -> ShallowDeepExit:
     layer_count = model.config.num_hidden_layers
     exit_layer = layer_count // 2 - 1 if exit_layer is None else exit_layer
     if not 0 <= exit_layer < layer_count - 1:
-        raise ValueError(f"free: exit_layer must be a layer below the last (0..{layer_count - 2}), got {exit_layer}")
+        raise InputError(f"free: exit_layer must be a layer below the last (0..{layer_count - 2}), got {exit_layer}")
     if threshold != "adaptive" and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                     or not 0.0 <= threshold <= 1.0):
-        raise ValueError(f"free: threshold must be 'adaptive' or a number in [0, 1], not {threshold!r}")
+        raise InputError(f"free: threshold must be 'adaptive' or a number in [0, 1], not {threshold!r}")
     if not 0.0 < agreement < 1.0:
-        raise ValueError(f"free: agreement must be in (0, 1), got {agreement}")
+        raise InputError(f"free: agreement must be in (0, 1), got {agreement}")
     return ShallowDeepExit(exit_layer, agreement, None if threshold == "adaptive" else float(threshold))
 
 

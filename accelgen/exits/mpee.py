@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.errors import InputError
 from accelgen.heads.mpee import TRAIN_COMMAND, MpeeHeads
 from accelgen.models.block import blocking_mask
 from accelgen.models.early_exit import EarlyExitRunner
@@ -113,7 +114,7 @@ class MultiPerspectiveExit:
             self.context = least_attended_mask(received, self.keep_ratio, state.dtype)
         length = cache.layers[layer].keys.shape[-2]
         if self.context is None or self.context.shape[-1] != length + 1:
-            raise ValueError(f"mpee: layer {layer} holds {length} positions, layer {self.prune_from} held "
+            raise InputError(f"mpee: layer {layer} holds {length} positions, layer {self.prune_from} held "
                              f"{self.context.shape[-1] - 1 if self.context is not None else 'none'}")
         return self.context
 
@@ -128,10 +129,10 @@ class MpeeOptions(MethodOptions):
     def __post_init__(self):
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
                 or not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"mpee: threshold must be a number in [0, 1], not {self.threshold!r}")
+            raise InputError(f"mpee: threshold must be a number in [0, 1], not {self.threshold!r}")
         if isinstance(self.keep_ratio, bool) or not isinstance(self.keep_ratio, (int, float)) \
                 or not 0.0 < self.keep_ratio <= 1.0:
-            raise ValueError(f"mpee: keep_ratio must be a number in (0, 1] (1: prune nothing), not {self.keep_ratio!r}")
+            raise InputError(f"mpee: keep_ratio must be a number in (0, 1] (1: prune nothing), not {self.keep_ratio!r}")
 
 
 def make_rule(model, heads: MpeeHeads, *, threshold: float, keep_ratio: float = 1.0,
@@ -140,17 +141,17 @@ def make_rule(model, heads: MpeeHeads, *, threshold: float, keep_ratio: float = 
     layer_count = model.config.num_hidden_layers
     prune_from = heads.layers[0] if prune_from is None else prune_from
     if isinstance(prune_from, bool) or not isinstance(prune_from, int) or not 0 <= prune_from < layer_count:
-        raise ValueError(f"mpee: prune_from must be a layer, 0..{layer_count - 1}, not {prune_from!r}")
+        raise InputError(f"mpee: prune_from must be a layer, 0..{layer_count - 1}, not {prune_from!r}")
     decoder = Decoder(model, "mpee")
     if keep_ratio < 1.0 and model.config.model_type not in PRUNABLE_MODEL_TYPES:
-        raise ValueError(f"mpee: keep_ratio < 1 reads attention from {', '.join(PRUNABLE_MODEL_TYPES)} models' query "
+        raise InputError(f"mpee: keep_ratio < 1 reads attention from {', '.join(PRUNABLE_MODEL_TYPES)} models' query "
                          f"projections; {model.config.model_type} is not one (keep_ratio=1 works)")
     return MultiPerspectiveExit(heads, float(threshold), float(keep_ratio), prune_from, decoder)
 
 
 def make_runner(model, *, heads: str | None, **rule) -> EarlyExitRunner:
     if not heads:
-        raise ValueError(f"mpee needs trained heads: heads=FOLDER, from `{TRAIN_COMMAND} --out FOLDER`")
+        raise InputError(f"mpee needs trained heads: heads=FOLDER, from `{TRAIN_COMMAND} --out FOLDER`")
     exit_rule = make_rule(model, MpeeHeads.load(heads, model), **rule)
     return EarlyExitRunner(model, exit_rule, "copy", heads=exit_rule)  # the runner reads exits through the rule
 

@@ -25,6 +25,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.errors import InputError
 from accelgen.models.block import Block
 from accelgen.models.layouts import Decoder
 from accelgen.models.runner import ModelRunner
@@ -62,7 +63,7 @@ class PipelinedRunner(ModelRunner):
         """As ModelRunner.forward; a single token (a decoding step) is pipelined."""
         if token_ids.shape[0] != 1 or tree is not None:
             if self.candidates is not None:
-                raise ValueError("ppd decodes one token at a time after the prompt")
+                raise InputError("ppd decodes one token at a time after the prompt")
             return super().forward(token_ids, tree, logits_for_last)
         position = self.length
         hidden, start = self._take_candidate(int(token_ids[0]), position)
@@ -131,10 +132,10 @@ def make_runner(model, *, pipeline_layer, candidates) -> PipelinedRunner:
     layer_count = model.config.num_hidden_layers
     pipeline_layer = layer_count // 2 if pipeline_layer is None else pipeline_layer
     if not 1 <= pipeline_layer < layer_count - 1:
-        raise ValueError(f"ppd: pipeline_layer must be in 1..{layer_count - 2} (a layer with layers below and above "
+        raise InputError(f"ppd: pipeline_layer must be in 1..{layer_count - 2} (a layer with layers below and above "
                          f"it), got {pipeline_layer}")
     if not 1 <= candidates <= model.config.vocab_size:
-        raise ValueError(f"ppd: candidates must be in 1..{model.config.vocab_size}, got {candidates}")
+        raise InputError(f"ppd: candidates must be in 1..{model.config.vocab_size}, got {candidates}")
     return PipelinedRunner(model, pipeline_layer, candidates)
 
 

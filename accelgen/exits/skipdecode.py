@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accelgen.drafters.autoregressive import no_drafter
+from accelgen.errors import InputError
 from accelgen.models.early_exit import EarlyExitRunner
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 
@@ -47,10 +48,10 @@ def make_rule(model, *, min_skip: int, max_skip, horizon: int) -> SkipSchedule:
     layer_count = model.config.num_hidden_layers
     max_skip = layer_count // 4 if max_skip is None else max_skip
     if not 0 <= min_skip <= max_skip < layer_count:
-        raise ValueError(f"skipdecode: need 0 <= min_skip <= max_skip < {layer_count} layers, "
+        raise InputError(f"skipdecode: need 0 <= min_skip <= max_skip < {layer_count} layers, "
                          f"got min_skip={min_skip}, max_skip={max_skip}")
     if horizon < 1:
-        raise ValueError(f"skipdecode: horizon must be at least 1 position, got {horizon}")
+        raise InputError(f"skipdecode: horizon must be at least 1 position, got {horizon}")
     return SkipSchedule(min_skip, max_skip, horizon)
 
 

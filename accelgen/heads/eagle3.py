@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.cache import cache_keyword
+from accelgen.errors import InputError
 from accelgen.heads.eagle_common import NAME, head_config
 from accelgen.heads.io import save_heads
 
@@ -76,13 +77,13 @@ class Eagle3Head(torch.nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         if recipe != RECIPE:
-            raise ValueError(f"an EAGLE-3 head's recipe is {RECIPE!r}, got {recipe!r}")
+            raise InputError(f"an EAGLE-3 head's recipe is {RECIPE!r}, got {recipe!r}")
         self.config = LlamaConfig(**config)
         self.config._attn_implementation = "sdpa"
         self.base_model, self.layer_count = base_model, layer_count
         self.target_layers = tuple(target_layers or default_target_layers(layer_count))
         if len(self.target_layers) != 3:
-            raise ValueError(f"an EAGLE-3 head reads three layers, got {self.target_layers}")
+            raise InputError(f"an EAGLE-3 head reads three layers, got {self.target_layers}")
         d, vocab = self.config.hidden_size, self.config.vocab_size
         drafted = draft_vocab or vocab
         self.fc = torch.nn.Linear(3 * d, d, bias=False)

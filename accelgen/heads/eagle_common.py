@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from accelgen.errors import InputError
+
 NAME = "eagle_head"
 
 
@@ -42,5 +44,5 @@ def saved_recipe(folder) -> str:
     except (OSError, ValueError, AttributeError):
         return "eagle1"  # missing or unreadable: load_heads names the problem
     if recipe not in RECIPES:
-        raise ValueError(f"{path} names the recipe {recipe!r}; accelgen knows {', '.join(RECIPES)}")
+        raise InputError(f"{path} names the recipe {recipe!r}; accelgen knows {', '.join(RECIPES)}")
     return recipe

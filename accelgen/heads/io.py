@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from accelgen.atomic import read_checked, save_tensors_atomically, write_json_atomically
+from accelgen.errors import InputError
 
 
 def save_heads(module, folder, name: str, config: dict) -> None:
@@ -48,4 +49,4 @@ def check_fits(shape: dict, model, what: str) -> None:
     problems = [f"{names[key]} {value}, the model's is {actual[key]}" for key, value in shape.items()
                 if value and value != actual[key]]
     if problems:
-        raise ValueError(f"{what} do not fit this model: {'; '.join(problems)}")
+        raise InputError(f"{what} do not fit this model: {'; '.join(problems)}")

@@ -23,6 +23,7 @@ import hashlib
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.heads.io import check_fits, load_heads, save_heads
 
 NAME = "mask_tokens"
@@ -59,9 +60,9 @@ class MaskTokens(torch.nn.Module):
         """lora_modules: {module name in the model: [d_in, d_out]} for rank > 0."""
         super().__init__()
         if method not in MASK_TOKEN_METHODS:
-            raise ValueError(f"mask tokens are for {' or '.join(MASK_TOKEN_METHODS)}, not {method!r}")
+            raise InputError(f"mask tokens are for {' or '.join(MASK_TOKEN_METHODS)}, not {method!r}")
         if count < 1 or prompt_count < 0 or rank < 0:
-            raise ValueError(f"need at least one mask token (got {count}), and no negative prompt count or rank")
+            raise InputError(f"need at least one mask token (got {count}), and no negative prompt count or rank")
         self.method, self.rank, self.alpha = method, rank, alpha
         self.hidden_size, self.vocab_size, self.layer_count = hidden_size, vocab_size, layer_count
         self.fingerprint, self.base_model = fingerprint, base_model
@@ -96,16 +97,16 @@ class MaskTokens(torch.nn.Module):
         """The mask tokens in folder, checked to be `method`'s and trained for this model; else a ValueError."""
         tokens = load_heads(cls, folder, NAME, f"accelgen train {method}")  # (shape checked below, with more)
         if tokens.method != method:
-            raise ValueError(f"{folder} holds {tokens.method} mask tokens, not {method}'s: train them with "
+            raise InputError(f"{folder} holds {tokens.method} mask tokens, not {method}'s: train them with "
                              f"`accelgen train {method}` or use --method {tokens.method}")
         what = f"these {method} mask tokens (trained for {tokens.base_model or 'another model'})"
         check_fits(tokens.describe_shape(), model, what)
         if tokens.fingerprint and tokens.fingerprint != model_fingerprint(model):
-            raise ValueError(f"{what} belong to another model: its weight fingerprint differs from this model's; "
+            raise InputError(f"{what} belong to another model: its weight fingerprint differs from this model's; "
                              f"train them for it with `accelgen train {method}`")
         missing = [name for name in tokens.lora_modules if not _has_module(model, name)]
         if missing:
-            raise ValueError(f"{what} adapt layers this model does not have: {missing[0]}")
+            raise InputError(f"{what} adapt layers this model does not have: {missing[0]}")
         return tokens.to(model.device)
 
     @contextlib.contextmanager
@@ -137,7 +138,7 @@ def lora_targets(model, names: tuple[str, ...]) -> dict:
     found = {name: [module.in_features, module.out_features] for name, module in model.named_modules()
              if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in names and "lm_head" not in name}
     if not found:
-        raise ValueError(f"the model has no linear layer named {', '.join(names)} to adapt")
+        raise InputError(f"the model has no linear layer named {', '.join(names)} to adapt")
     return found
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.heads.io import load_heads, save_heads
 from accelgen.heads.lm_head import DraftLMHead
 
@@ -26,7 +27,7 @@ class MedusaHeads(torch.nn.Module):
         """draft_vocab: the size of the vocabulary the heads draft from (0: the whole vocabulary)."""
         super().__init__()
         if heads < 1:
-            raise ValueError(f"Medusa needs at least one head, got {heads}")
+            raise InputError(f"Medusa needs at least one head, got {heads}")
         self.hidden_size, self.vocab_size, self.base_model, self.layer_count = hidden_size, vocab_size, base_model, layer_count
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden_size, hidden_size) for _ in range(heads))
         for block in self.blocks:

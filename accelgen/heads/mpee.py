@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.heads.io import check_fits, load_heads, save_heads
 
 NAME = "mpee_heads"  # mpee_heads.safetensors + mpee_heads.json
@@ -41,7 +42,7 @@ class MpeeHeads(torch.nn.Module):
                  layer_count: int = 0, fingerprint: str = ""):
         super().__init__()
         if not layers or len(set(layers)) != len(layers):
-            raise ValueError(f"MPEE heads need distinct exit layers, got {layers!r}")
+            raise InputError(f"MPEE heads need distinct exit layers, got {layers!r}")
         self.layers = sorted(layers)
         self.hidden_size, self.rank = hidden_size, rank
         self.base_model, self.vocab_size, self.layer_count = base_model, vocab_size, layer_count
@@ -73,7 +74,7 @@ class MpeeHeads(torch.nn.Module):
         mixed = own(state)
         if key in self.carried:
             if carried is None:
-                raise ValueError(f"MPEE exit {layer} needs the features of exit {self.below(layer)} below it")
+                raise InputError(f"MPEE exit {layer} needs the features of exit {self.below(layer)} below it")
             mixed = mixed + self.carried[key](carried)
         return torch.nn.functional.silu(mixed)
 
@@ -101,10 +102,10 @@ class MpeeHeads(torch.nn.Module):
         trained_for = self.base_model or "another model"
         check_fits(self.describe_shape(), model, f"these MPEE heads (trained for {trained_for})")
         if self.layers[-1] >= model.config.num_hidden_layers - 1:
-            raise ValueError(f"these MPEE heads exit at layer {self.layers[-1]}, but the model's last exit can be "
+            raise InputError(f"these MPEE heads exit at layer {self.layers[-1]}, but the model's last exit can be "
                              f"layer {model.config.num_hidden_layers - 2}")
         if self.fingerprint and self.fingerprint != embedding_fingerprint(model):
-            raise ValueError(f"these MPEE heads were trained for {trained_for}, whose weights differ from this "
+            raise InputError(f"these MPEE heads were trained for {trained_for}, whose weights differ from this "
                              f"model's (embedding fingerprint); train heads for it with `{TRAIN_COMMAND}`")
 
     def save(self, folder: Path) -> None:

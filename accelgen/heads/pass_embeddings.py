@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.heads.io import load_heads, save_heads
 
 NAME = "pass_embeddings"
@@ -20,7 +21,7 @@ class LookaheadEmbeddings(torch.nn.Module):
     def __init__(self, count: int, hidden_size: int, vocab_size: int = 0, base_model: str = "", layer_count: int = 0):
         super().__init__()
         if count < 1:
-            raise ValueError(f"PaSS needs at least one look-ahead embedding, got {count}")
+            raise InputError(f"PaSS needs at least one look-ahead embedding, got {count}")
         self.hidden_size, self.vocab_size, self.base_model, self.layer_count = hidden_size, vocab_size, base_model, layer_count
         self.vectors = torch.nn.Parameter(torch.zeros(count, hidden_size))  # (k, d)
 

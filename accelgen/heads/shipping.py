@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from accelgen.errors import InputError
 from accelgen.heads.eagle_common import NAME as EAGLE_NAME
 from accelgen.heads.io import check_fits
 from accelgen.models.embedded import EMBEDDED_MODELS
@@ -91,7 +92,7 @@ def ship(trained, model_name: str, method: str = "eagle") -> Path:
     from accelgen.atomic import save_tensors_atomically, write_json_atomically
 
     if model_name not in EMBEDDED_MODELS:
-        raise ValueError(f"{model_name!r} is not an embedded model ({', '.join(EMBEDDED_MODELS)})")
+        raise InputError(f"{model_name!r} is not an embedded model ({', '.join(EMBEDDED_MODELS)})")
     trained, folder = Path(trained), shipped_folder(model_name, method)
     config = read_json(trained / HEAD_FILES[method])
     if not config:
@@ -100,7 +101,7 @@ def ship(trained, model_name: str, method: str = "eagle") -> Path:
                for name, tensor in load_file(trained / f"{EAGLE_NAME}.safetensors").items()}
     size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
     if size > FILE_LIMIT:
-        raise ValueError(f"the head's weights take {size / 2**20:.1f} MiB in bfloat16, over the "
+        raise InputError(f"the head's weights take {size / 2**20:.1f} MiB in bfloat16, over the "
                          f"{FILE_LIMIT >> 20} MiB a shipped file may take: train it with a smaller --draft-vocab")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / HEAD_FILES[method]).unlink(missing_ok=True)  # weights without their config are not a head

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import write_atomically
+from accelgen.errors import InputError
 from accelgen.models.embedded import EMBEDDED_MODELS, remove_assembled
 from accelgen.models.llamacpp import LlamaCppModel
 from accelgen.models.shared_cycle import tie_if_declared
@@ -67,7 +68,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
 
 
 DEVICE_HELP = "cpu, cuda, cuda:N or auto (default: cpu)"
@@ -86,20 +87,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         if text == "auto":
             return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
         if not re.fullmatch(r"(cpu|cuda)(:\d+)?", text):  # "cpu:0" too, as torch and accelerate write it
-            raise ValueError(f"unknown device {device!r}: choose {DEVICE_CHOICES}")
+            raise InputError(f"unknown device {device!r}: choose {DEVICE_CHOICES}")
         resolved = torch.device(text)
     if resolved.type == "cpu":
         return torch.device("cpu")
     if resolved.type != "cuda":
-        raise ValueError(f"device {str(resolved)!r} is not supported: choose {DEVICE_CHOICES}")
+        raise InputError(f"device {str(resolved)!r} is not supported: choose {DEVICE_CHOICES}")
     if not torch.cuda.is_available():
         built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built for CPU"
-        raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device (torch {torch.__version__}, "
+        raise InputError(f"device {str(device)!r} asked for, but torch sees no CUDA device (torch {torch.__version__}, "
                          f"{built})")
     index = torch.cuda.current_device() if resolved.index is None else resolved.index
     if index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ValueError(f"device {str(device)!r} asked for, but torch sees {count} CUDA device{'s' * (count != 1)} "
+        raise InputError(f"device {str(device)!r} asked for, but torch sees {count} CUDA device{'s' * (count != 1)} "
                          f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
     return torch.device("cuda", index)
 
@@ -111,7 +112,7 @@ def beside_weights(model, filename: str, saving: str | None = None) -> Path | No
     if folder and Path(folder).is_dir():
         return Path(folder) / filename
     if saving is not None:
-        raise ValueError(f"this model was not loaded from a folder, so there is nowhere beside it to save {saving}")
+        raise InputError(f"this model was not loaded from a folder, so there is nowhere beside it to save {saving}")
     return None
 
 
@@ -142,7 +143,7 @@ def gguf_file(name_or_path: str) -> Path:
         return EMBEDDED_MODELS[name_or_path].gguf_path(cache_dir() / "gguf")
     path = Path(name_or_path).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
-        raise ValueError(f"{name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) nor a .gguf file; "
+        raise InputError(f"{name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) nor a .gguf file; "
                          "llama.cpp runs GGUF files only")
     return path
 
@@ -206,7 +207,7 @@ DRAFT_WEIGHTS_HELP = "Weight format of the draft model (as --weights); the outpu
 
 def check_weights(weights: str | None) -> None:
     if weights is not None and weights not in WEIGHTS:
-        raise ValueError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHTS)}")
+        raise InputError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHTS)}")
 
 
 def load_format(
@@ -223,13 +224,13 @@ def load_format(
 
     check_weights(weights)
     if weights == "auto":
-        raise ValueError("weights='auto' is chosen by a probe: load the model with accelgen.models.loading.load_model")
+        raise InputError("weights='auto' is chosen by a probe: load the model with accelgen.models.loading.load_model")
     check_source(name_or_path)
     target = resolve_device(device)
     on_gpu = target.type != "cpu"
     if weights == "gguf":
         if on_gpu:
-            raise ValueError(f"weights=gguf runs on llama.cpp's CPU engine only, not on {target}: choose bf16, fp32, "
+            raise InputError(f"weights=gguf runs on llama.cpp's CPU engine only, not on {target}: choose bf16, fp32, "
                              "int8 or int4 there (or leave out the device)")
         return load_llamacpp(name_or_path, threads)
     if weights in ("fp32", "bf16"):
@@ -243,7 +244,7 @@ def load_format(
         from accelgen.models.formats import kernel_error
 
         if (error := kernel_error(weights, compute_dtype, str(target))) is not None:  # said before anything loads
-            raise ValueError(f"weights={weights} cannot run on {target} in this PyTorch build ({torch.__version__}): "
+            raise InputError(f"weights={weights} cannot run on {target} in this PyTorch build ({torch.__version__}): "
                              f"{error}")
     if name_or_path in EMBEDDED_MODELS:
         folder = prepare_embedded(name_or_path)
@@ -281,13 +282,38 @@ def check_source(name_or_path: str) -> None:
         return
     looks_like_path = path.is_absolute() or str(name_or_path).startswith((".", "~")) or path.exists()
     if looks_like_path or str(name_or_path).count("/") > 1:
-        raise ValueError(f"no model at {name_or_path!r}: give an embedded name ({', '.join(EMBEDDED_MODELS)}), "
+        raise InputError(f"no model at {name_or_path!r}: give an embedded name ({', '.join(EMBEDDED_MODELS)}), "
                          "a model folder, a .gguf file or a hub id")
     # a hub id without an owner (gpt2) is possible, but one this close to an embedded name is a misspelling
     close = difflib.get_close_matches(str(name_or_path).lower(), EMBEDDED_MODELS, n=1)
     if close and "/" not in str(name_or_path):
-        raise ValueError(f"unknown model {name_or_path!r}: did you mean {close[0]}? Embedded models: "
+        raise InputError(f"unknown model {name_or_path!r}: did you mean {close[0]}? Embedded models: "
                          f"{', '.join(EMBEDDED_MODELS)}; or give a model folder, a .gguf file or a hub id")
+    check_hub_reachable(str(name_or_path))
+
+
+def check_hub_reachable(model_id: str) -> None:
+    """Refuse in seconds a hub id that is not in the HF cache when the hub cannot be reached: offline by
+    HF_HUB_OFFLINE=1, or with no network, where downloading it would spend about a minute on retries first."""
+    if local_folder(model_id) is not None:
+        return  # cached: transformers loads it from there
+    from huggingface_hub import constants
+
+    alternatives = f"give an embedded model ({', '.join(EMBEDDED_MODELS)}), a model folder or a .gguf file"
+    if constants.HF_HUB_OFFLINE:
+        raise InputError(f"model {model_id!r} is not in the Hugging Face cache, and HF_HUB_OFFLINE=1 allows no "
+                         f"download: {alternatives}, or unset HF_HUB_OFFLINE to download it")
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # the hub may be reachable through the proxy only: let the download try
+    import socket
+    from urllib.parse import urlsplit
+
+    endpoint = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=3).close()
+    except OSError as error:
+        raise InputError(f"cannot reach {constants.ENDPOINT} to download {model_id!r} ({error}): with no network, "
+                         f"{alternatives}; HF_HUB_OFFLINE=1 loads models from the Hugging Face cache only") from None
 
 
 def local_folder(name_or_path: str) -> Path | None:

@@ -35,6 +35,7 @@ from typing import Callable, Protocol
 import torch
 
 from accelgen import cache as kv
+from accelgen.errors import InputError
 from accelgen.models.block import Block
 from accelgen.models.layouts import Decoder
 from accelgen.models.runner import ModelRunner
@@ -85,7 +86,7 @@ class EarlyExitRunner(ModelRunner):
     def __init__(self, model, rule: ExitRule, propagation: str = "copy", heads=None):
         super().__init__(model)
         if propagation not in PROPAGATIONS:
-            raise ValueError(f"propagation must be one of {', '.join(PROPAGATIONS)}, not {propagation!r}")
+            raise InputError(f"propagation must be one of {', '.join(PROPAGATIONS)}, not {propagation!r}")
         self.decoder = Decoder(model, "early exit")
         self.layer_count = len(self.decoder.layers)
         self.rule = rule
@@ -118,7 +119,7 @@ class EarlyExitRunner(ModelRunner):
         (the prompt, a tree, a token with appended embeddings) goes through every layer."""
         if token_ids.shape[0] != 1 or tree is not None or appended is not None:
             if self.pending is not None:
-                raise ValueError("early exit decodes one token at a time after the prompt")
+                raise InputError("early exit decodes one token at a time after the prompt")
             return super().forward(token_ids, tree, logits_for_last, appended)
         position = self.length
         pending, self.pending = self.pending, None
@@ -126,7 +127,7 @@ class EarlyExitRunner(ModelRunner):
         if pending is not None and step.exited and self.propagation == "synchronized":
             # FREE: this token joins the pending ones; their deep layers wait for a token that goes deep
             if step.exit_layer != pending.layer:
-                raise ValueError("synchronized decoding needs every exit at one layer")
+                raise InputError("synchronized decoding needs every exit at one layer")
             self.pending = Pending(step.exit_layer, torch.cat([pending.hidden, step.hidden], dim=1),
                                    torch.cat([pending.logits, step.logits[None]]))
         else:

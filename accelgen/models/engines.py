@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.models.llamacpp import LlamaCppModel
 from accelgen.models.runner import ModelRunner
 from accelgen.models.static import StaticRunner, static_cache_refusal
@@ -19,14 +20,14 @@ def runner_for(model, cache: str = "auto", compile: bool | str = "auto"):
     `cache` (one of CACHES) says. compile: the static runner's bucketed forwards through torch.compile, "auto" on
     CUDA (models/static.py); True asks for the static cache where `cache` is "auto"."""
     if cache not in CACHES:
-        raise ValueError(f"unknown cache {cache!r}; choose one of {', '.join(CACHES)}")
+        raise InputError(f"unknown cache {cache!r}; choose one of {', '.join(CACHES)}")
     if compile is True and cache == "dynamic":
-        raise ValueError("compile=True compiles the static cache's forwards; cache='dynamic' runs them eagerly")
+        raise InputError("compile=True compiles the static cache's forwards; cache='dynamic' runs them eagerly")
     if isinstance(model, LlamaCppModel):
         if cache == "static":
-            raise ValueError("cache='static' is for PyTorch models; llama.cpp keeps its own cache")
+            raise InputError("cache='static' is for PyTorch models; llama.cpp keeps its own cache")
         if compile is True:
-            raise ValueError("compile=True is for PyTorch models; llama.cpp runs its own kernels")
+            raise InputError("compile=True is for PyTorch models; llama.cpp runs its own kernels")
         return model.new_runner()
     if cache == "static" or compile is True or cache == "auto" and on_cuda(model) and static_cache_refusal(model) is None:
         return StaticRunner(model, compile=compile)

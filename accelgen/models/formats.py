@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from accelgen.errors import InputError
+
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 QUANTIZED_FORMATS = ("int8", "int4")
 INT4_GROUP_SIZE = 64
@@ -51,7 +53,7 @@ class QuantizedLinear(torch.nn.Module):
                  compute_dtype: torch.dtype = torch.bfloat16, group_size: int = INT4_GROUP_SIZE):
         super().__init__()
         if fmt not in QUANTIZED_FORMATS:
-            raise ValueError(f"unknown quantized format {fmt!r}; choose {' or '.join(QUANTIZED_FORMATS)}")
+            raise InputError(f"unknown quantized format {fmt!r}; choose {' or '.join(QUANTIZED_FORMATS)}")
         self.fmt, self.group_size = fmt, group_size
         self._dense: torch.Tensor | None = None  # the dequantized weight, once something reads .weight
         self.out_features = packed.shape[0]
@@ -102,7 +104,7 @@ class QuantizedLinear(torch.nn.Module):
         if self.fmt == "int8":
             return torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         if self.packing != flat.device.type:  # moved by .to(device), which cannot repack
-            raise ValueError(f"this int4 layer is packed for the {self.packing}'s kernel but runs on {flat.device}: "
+            raise InputError(f"this int4 layer is packed for the {self.packing}'s kernel but runs on {flat.device}: "
                              "load the model there (load_model(..., device=...)) or move it with "
                              "accelgen.models.formats.move_to")
         if self.packing == "cuda":
@@ -114,7 +116,7 @@ class QuantizedLinear(torch.nn.Module):
         if self.fmt != "int4" or self.packing == device.type:
             return
         if self.packing == "cuda" or device.type != "cuda":
-            raise ValueError(f"int4 weights packed for the {self.packing} cannot be packed for {device}: load the "
+            raise InputError(f"int4 weights packed for the {self.packing} cannot be packed for {device}: load the "
                              "model there instead (load_model(..., device=...)); int4 runs on the CPU and on CUDA")
         levels = unpack_int4(self.weight_int4)  # (out, in) int32 in 0..15
         self.weight_int4 = pack_int4_for_cuda(levels.to(device))
@@ -217,7 +219,7 @@ def _int4_block() -> int:
     for block in (32, 64, 16, 128):
         if torch.equal(_unpack_int4(packed, block), probe):
             return block
-    raise ValueError(f"this PyTorch build ({torch.__version__}, {torch.backends.cpu.get_cpu_capability()}) packs int4 "
+    raise InputError(f"this PyTorch build ({torch.__version__}, {torch.backends.cpu.get_cpu_capability()}) packs int4 "
                      "weights in a layout accelgen cannot read back; int4 layers run, but their dense weight is "
                      "not available")
 
@@ -281,12 +283,12 @@ def move_to(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Modu
 def check_quantizable(model: torch.nn.Module, fmt: str, compute_dtype: torch.dtype = torch.bfloat16) -> None:
     """Raise a ValueError naming the kernel this torch build lacks or the first layer `fmt` cannot hold."""
     if fmt not in QUANTIZED_FORMATS:
-        raise ValueError(f"unknown quantized format {fmt!r}; choose {' or '.join(QUANTIZED_FORMATS)}")
+        raise InputError(f"unknown quantized format {fmt!r}; choose {' or '.join(QUANTIZED_FORMATS)}")
     if (error := kernel_error(fmt, compute_dtype)) is not None:
-        raise ValueError(f"weights={fmt} cannot run in this PyTorch build ({torch.__version__}): {error}")
+        raise InputError(f"weights={fmt} cannot run in this PyTorch build ({torch.__version__}): {error}")
     for name, layer in quantizable_linears(model):
         if (reason := shape_error(fmt, layer.in_features, layer.out_features)) is not None:
-            raise ValueError(f"weights={fmt} cannot hold layer {name!r} of shape (out {layer.out_features}, "
+            raise InputError(f"weights={fmt} cannot hold layer {name!r} of shape (out {layer.out_features}, "
                              f"in {layer.in_features}): {reason}"
                              + ("; use weights=int8" if shape_error("int8", layer.in_features, 0) is None else ""))
 
@@ -324,7 +326,7 @@ def quantize(model: torch.nn.Module, fmt: str, cached: dict[str, torch.Tensor] |
         if cached is not None:
             tensors = {key: cached[f"{name}.{key}"] for key in TENSORS[fmt] if f"{name}.{key}" in cached}
             if len(tensors) != len(TENSORS[fmt]):
-                raise ValueError(f"the cached {fmt} tensors lack layer {name!r}")
+                raise InputError(f"the cached {fmt} tensors lack layer {name!r}")
         tensors = tensors or quantized_tensors(layer, fmt)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child,

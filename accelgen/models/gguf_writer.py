@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from accelgen.atomic import write_atomically
+from accelgen.errors import InputError
 from accelgen.models.checkpoints import stderr_progress
 
 GGUF_TYPES = ("q8_0", "q4_0", "f32")
@@ -82,7 +83,7 @@ def write_gguf(model, tokenizer, path: Path, gguf_type: str = "q8_0", progress=N
     import gguf
 
     if gguf_type not in GGUF_TYPES:
-        raise ValueError(f"unknown gguf_type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
+        raise InputError(f"unknown gguf_type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
     config = model.config
     check_writable(config)
     arch = architectures()[config.model_type]
@@ -239,7 +240,7 @@ def written_gguf(model, tokenizer, gguf_type: str = "q8_0") -> Path:
 
     check_writable(model.config)
     if gguf_type not in GGUF_TYPES:
-        raise ValueError(f"unknown gguf_type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
+        raise InputError(f"unknown gguf_type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
     path = cache_dir() / "gguf-written" / f"{model_name(model)}-{gguf_type}-{weights_key(model)}.gguf"
     if path.is_file():
         return path

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.models.block import Block
 
 SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -24,7 +25,7 @@ def llama_decoder(model, purpose: str):
     layers = getattr(decoder, "layers", None)
     if layers is None or not all(hasattr(decoder, name) for name in ("embed_tokens", "norm", "rotary_emb")) \
             or not all(hasattr(layer, name) for layer in layers for name in SUB_BLOCKS):
-        raise ValueError(f"{purpose} needs a Llama-style decoder (model.model.layers with {', '.join(SUB_BLOCKS)}); "
+        raise InputError(f"{purpose} needs a Llama-style decoder (model.model.layers with {', '.join(SUB_BLOCKS)}); "
                          f"{type(model).__name__} is not one")
     return decoder
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from accelgen.cache import cache_keyword, layer_windows
+from accelgen.errors import InputError
 from accelgen.models.block import blocking_mask
 
 
@@ -61,7 +62,7 @@ def check_tree_positions(config) -> None:
     """A ValueError for an ALiBi model that is not described (Falcon with alibi=True), whose forward would bias
     a tree's nodes by their place in the cache rather than by their depth; its chains are scored right."""
     if getattr(config, "alibi", False) and getattr(config, "model_type", None) not in ALIBI_LAYOUTS:
-        raise ValueError(f"{config.model_type} with alibi=True: accelgen cannot score token trees with its ALiBi "
+        raise InputError(f"{config.model_type} with alibi=True: accelgen cannot score token trees with its ALiBi "
                          f"biases (described: {', '.join(ALIBI_LAYOUTS)}); methods that draft chains work")
 
 
@@ -157,7 +158,7 @@ def decoder_layout(config, purpose: str) -> DecoderLayout:
         return DECODER_LAYOUTS[model_type]
     reason = NOT_TWO_SUB_BLOCKS.get(model_type, "it is not described")
     described = ", ".join(sorted([*DECODER_LAYOUTS, "falcon"]))
-    raise ValueError(f"{purpose} walks the decoder one sub-block at a time, which {model_type} does not allow "
+    raise InputError(f"{purpose} walks the decoder one sub-block at a time, which {model_type} does not allow "
                      f"({reason}); layouts described: {described}")
 
 
@@ -191,7 +192,7 @@ class Decoder:
     def check_reach(self, last_position: int) -> None:
         """A ValueError once a new token at last_position would reach past the model's sliding window."""
         if self.window is not None and last_position >= self.window:
-            raise ValueError(f"{self.purpose} masks full attention only, exact on {self.model.config.model_type} "
+            raise InputError(f"{self.purpose} masks full attention only, exact on {self.model.config.model_type} "
                              f"within its sliding window of {self.window} positions; this sequence reaches position "
                              f"{last_position}: ask for fewer tokens, or use a method that runs the whole model")
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from accelgen.errors import InputError
 from accelgen.models.block import Block
 
 CONTEXT_TOKENS = 4096
@@ -290,7 +291,7 @@ class LlamaCppRunner:
     @keep_hidden.setter
     def keep_hidden(self, value: bool) -> None:
         if value:
-            raise ValueError("this method reads the target's hidden states, which the llama.cpp engine does not "
+            raise InputError("this method reads the target's hidden states, which the llama.cpp engine does not "
                              "expose; load the model in a PyTorch format (weights=bf16, int8, int4 or fp32)")
 
     @property
@@ -307,16 +308,16 @@ class LlamaCppRunner:
         """Append token_ids (m,) after the cached positions; returns (k, vocab) float32 logits of the last
         k = logits_for_last tokens (0: all). tree: (m, m) bool, tree[r, c] = token r attends to token c."""
         if appended is not None:
-            raise ValueError("appended input embeddings (PaSS) need the PyTorch model; the llama.cpp engine takes tokens")
+            raise InputError("appended input embeddings (PaSS) need the PyTorch model; the llama.cpp engine takes tokens")
         if tree is not None and tree.shape[0] != tree.shape[1]:
-            raise ValueError("a draft tree continued from cached levels (a draft model expanding a tree) needs the "
+            raise InputError("a draft tree continued from cached levels (a draft model expanding a tree) needs the "
                              "PyTorch model; load the draft in a PyTorch format")
         so = library()
         tokens = token_ids.tolist()
         m, start = len(tokens), self._length
         wanted = m if logits_for_last == 0 else logits_for_last
         if start + m > self.max_positions:
-            raise ValueError(f"{start + m} positions exceed the llama.cpp context of {self.max_positions}")
+            raise InputError(f"{start + m} positions exceed the llama.cpp context of {self.max_positions}")
         if tree is None:
             positions = list(range(start, start + m))
             sequences = [[0]] * m
@@ -325,7 +326,7 @@ class LlamaCppRunner:
             positions, sequences = self._tree_layout(tree, start)
         # a long prompt goes in chunks; the last chunk holds every row whose logits are wanted
         if wanted > BATCH_TOKENS:
-            raise ValueError(f"logits for {wanted} tokens in one forward exceed the batch of {BATCH_TOKENS}")
+            raise InputError(f"logits for {wanted} tokens in one forward exceed the batch of {BATCH_TOKENS}")
         for first, last in _chunks(m, BATCH_TOKENS):
             batch = self._batch
             batch.n_tokens = last - first
@@ -352,7 +353,7 @@ class LlamaCppRunner:
         is_leaf = tree.sum(dim=0) == 1  # nobody else has it as an ancestor
         leaves = torch.nonzero(is_leaf).flatten().tolist()
         if len(leaves) >= MAX_SEQUENCES:
-            raise ValueError(f"a draft tree with {len(leaves)} leaves exceeds the llama.cpp engine's "
+            raise InputError(f"a draft tree with {len(leaves)} leaves exceeds the llama.cpp engine's "
                              f"{MAX_SEQUENCES - 1} paths; lower the method's max_nodes or width")
         self._leaf_sequences = list(range(1, len(leaves) + 1))
         for sequence in self._leaf_sequences:
@@ -372,7 +373,7 @@ class LlamaCppRunner:
         end = prefix + len(rows)
         if self._tree_start is None:
             if rows != list(range(len(rows))):
-                raise ValueError("a chain keeps a prefix of its rows")
+                raise InputError("a chain keeps a prefix of its rows")
             so.llama_memory_seq_rm(self._memory, 0, end, -1)
         else:
             # the accepted path lies in the sequence of a leaf below its last row (the tokens before the tree's

@@ -35,6 +35,7 @@ from typing import Callable
 
 from accelgen import hardware
 from accelgen.atomic import write_atomically
+from accelgen.errors import InputError
 from accelgen.models.checkpoints import cache_dir, load_format
 from accelgen.models.embedded import EMBEDDED_MODELS
 
@@ -142,7 +143,7 @@ def measure_all(name_or_path: str, threads: int | None, measure: Callable, candi
         print(f"accelgen: weights={fmt}: t(1) {timing['t1'] * 1000:.0f} ms, t(8) {timing['t8'] * 1000:.0f} ms",
               file=sys.stderr)
     if not timings:
-        raise ValueError(f"no weight format could be loaded for {name_or_path!r}")
+        raise InputError(f"no weight format could be loaded for {name_or_path!r}")
     return timings
 
 

@@ -16,6 +16,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.draft import causal
+from accelgen.errors import InputError
 from accelgen.models.block import Block, blocking_mask
 from accelgen.models.layouts import Decoder, alibi_layout, alibi_tree_hidden, check_tree_positions
 
@@ -38,7 +39,7 @@ class LayerPlan(Protocol):
 class ModelRunner:
     def __init__(self, model, plan: LayerPlan | None = None):
         if getattr(model, "_is_stateful", False):  # HF's own mark of a model whose state cannot be rolled back
-            raise ValueError(f"{type(model).__name__} is a recurrent (stateful) model: accelgen needs a KV cache it "
+            raise InputError(f"{type(model).__name__} is a recurrent (stateful) model: accelgen needs a KV cache it "
                              f"can roll back after a rejected draft, as HF's assisted generation does")
         self.model = model
         self.config = model.config
@@ -115,10 +116,10 @@ class ModelRunner:
         """
         if appended is not None and tree is not None:
             if tree.shape[0] != token_ids.shape[0] + appended.shape[0]:
-                raise ValueError("appended embeddings follow a chain, not a tree over the tokens alone: a tree with "
+                raise InputError("appended embeddings follow a chain, not a tree over the tokens alone: a tree with "
                                  "appended embeddings covers both, (m + a, m + a)")
             if self.alibi is not None:
-                raise ValueError("appended embeddings in a tree need a model with position ids (not ALiBi)")
+                raise InputError("appended embeddings in a tree need a model with position ids (not ALiBi)")
         if self.plan is not None:
             return self._walk(token_ids, tree, logits_for_last, appended)
         m = token_ids.shape[0] + (0 if appended is None else appended.shape[0])
@@ -127,7 +128,7 @@ class ModelRunner:
         if tree is not None:
             if self.alibi is not None:  # the model's forward would bias tree nodes by cache index, not depth
                 if self.keep_layers:
-                    raise ValueError("an ALiBi model's trees are scored outside its forward, which keeps no layers' "
+                    raise InputError("an ALiBi model's trees are scored outside its forward, which keeps no layers' "
                                      "hidden states for the drafter that reads them")
                 return self._alibi_tree(token_ids, block, logits_for_last)
             check_tree_positions(self.config)
@@ -151,7 +152,7 @@ class ModelRunner:
         finally:
             hook.remove()
         if self.keep_hidden and not decoded:  # a causal LM that calls parts of its base model itself (OPT: model.decoder)
-            raise ValueError(f"{type(self.model).__name__} does not call its base model in its forward, so its final "
+            raise InputError(f"{type(self.model).__name__} does not call its base model in its forward, so its final "
                              f"hidden states cannot be read for the drafter that needs them")
         if self.keep_hidden:
             self._keep_hidden(decoded[0][0])
@@ -162,7 +163,7 @@ class ModelRunner:
     def _keep_layer_states(self, states: tuple) -> None:
         """Append the kept layers' inputs (m, k * d) from a forward's hidden_states (embeddings, then each layer's)."""
         if states is None or max(self.keep_layers) >= len(states):
-            raise ValueError(f"{type(self.model).__name__} returned {0 if states is None else len(states)} hidden "
+            raise InputError(f"{type(self.model).__name__} returned {0 if states is None else len(states)} hidden "
                              f"states; the drafter reads those entering layers {list(self.keep_layers)}")
         kept = torch.cat([states[index][0] for index in self.keep_layers], dim=-1)
         self.layer_hidden = kept if self.layer_hidden is None else torch.cat([self.layer_hidden, kept])
@@ -174,7 +175,7 @@ class ModelRunner:
               appended: torch.Tensor | None) -> torch.Tensor:
         """As forward, walking the layers as the plan says."""
         if appended is not None or self.keeps_states:
-            raise ValueError(f"{self.plan.purpose} walks the layers itself: it neither takes appended embeddings "
+            raise InputError(f"{self.plan.purpose} walks the layers itself: it neither takes appended embeddings "
                              f"nor keeps hidden states")
         block = self._block(causal(token_ids.shape[0]) if tree is None else tree)
         positions = block.positions[None].to(self.device)
@@ -238,6 +239,6 @@ def sliding_window(windows: list[int | None]) -> int | None:
     if it has none. HF passes a model one mask per layer type, so layers with different windows are refused."""
     sizes = {window for window in windows if window is not None}
     if len(sizes) > 1:
-        raise ValueError(f"this model's layers have different sliding windows ({sorted(sizes)}); accelgen's masks "
+        raise InputError(f"this model's layers have different sliding windows ({sorted(sizes)}); accelgen's masks "
                          f"take one window per model")
     return next(iter(sizes), None)

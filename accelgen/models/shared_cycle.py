@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from accelgen.errors import InputError
+
 CONFIG_KEY = "shared_cycle"  # config attribute: the number of distinct layers
 
 
@@ -27,7 +29,7 @@ def build(vocab_size: int, *, cycle: int, repeats: int, hidden_size: int = 256, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if cycle < 1 or repeats < 2:
-        raise ValueError(f"a shared cycle needs cycle >= 1 and repeats >= 2, got cycle={cycle}, repeats={repeats}")
+        raise InputError(f"a shared cycle needs cycle >= 1 and repeats >= 2, got cycle={cycle}, repeats={repeats}")
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=cycle * repeats, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=max_positions, tie_word_embeddings=True, **config_options)
@@ -45,7 +47,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder's layer list (the Llama family's model.model.layers)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"a shared cycle needs a decoder at model.model.layers; {type(model).__name__} has none")
+        raise InputError(f"a shared cycle needs a decoder at model.model.layers; {type(model).__name__} has none")
     return layers
 
 
@@ -55,14 +57,14 @@ def cycle_and_repeats(model, purpose: str) -> tuple[int, int]:
     cycle = declared_cycle(model)
     name = type(model).__name__
     if cycle is None:
-        raise ValueError(f"{purpose} needs a model whose decoder layers share weights in a cycle (config.{CONFIG_KEY}; "
+        raise InputError(f"{purpose} needs a model whose decoder layers share weights in a cycle (config.{CONFIG_KEY}; "
                          f"`accelgen train speed-model` builds one); this {name} declares none")
     layers = decoder_layers(model)
     check_shape(len(layers), cycle)
     for index in range(cycle, len(layers)):
         for (key, own), (_, shared) in zip(layers[index].named_parameters(), layers[index % cycle].named_parameters()):
             if own is not shared:
-                raise ValueError(f"{purpose}: this {name} declares a cycle of {cycle} layers, but layer {index}'s {key} "
+                raise InputError(f"{purpose}: this {name} declares a cycle of {cycle} layers, but layer {index}'s {key} "
                                  f"is not layer {index % cycle}'s (a copy, not the same weights); load it with "
                                  f"accelgen.models.shared_cycle.load, or tie it with shared_cycle.tie")
     return cycle, len(layers) // cycle
@@ -70,7 +72,7 @@ def cycle_and_repeats(model, purpose: str) -> tuple[int, int]:
 
 def check_shape(layer_count: int, cycle) -> None:
     if not isinstance(cycle, int) or cycle < 1 or layer_count % cycle or layer_count // cycle < 2:
-        raise ValueError(f"config.{CONFIG_KEY}={cycle!r} does not divide the model's {layer_count} layers into two or "
+        raise InputError(f"config.{CONFIG_KEY}={cycle!r} does not divide the model's {layer_count} layers into two or "
                          f"more repeats of a cycle")
 
 
@@ -80,7 +82,7 @@ def tie(model, check_values: bool = True):
     tying never changes what the model computes."""
     cycle = declared_cycle(model)
     if cycle is None:
-        raise ValueError(f"this {type(model).__name__} declares no shared cycle (config.{CONFIG_KEY}) to tie")
+        raise InputError(f"this {type(model).__name__} declares no shared cycle (config.{CONFIG_KEY}) to tie")
     layers = decoder_layers(model)
     check_shape(len(layers), cycle)
     for index in range(cycle, len(layers)):
@@ -90,7 +92,7 @@ def tie(model, check_values: bool = True):
             if own is shared:
                 continue
             if check_values and not torch.equal(own.detach().to(shared.device), shared.detach()):
-                raise ValueError(f"layer {index}'s {key} differs from layer {index % cycle}'s: this is not a model "
+                raise InputError(f"layer {index}'s {key} differs from layer {index % cycle}'s: this is not a model "
                                  f"whose layers share weights in a cycle of {cycle}")
             owner, _, leaf = key.rpartition(".")
             setattr(layers[index].get_submodule(owner) if owner else layers[index], leaf, shared)
@@ -128,5 +130,5 @@ def load(folder, dtype: torch.dtype | str = "auto"):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     if declared_cycle(model) is None:
-        raise ValueError(f"{folder} holds a model that declares no shared cycle (config.{CONFIG_KEY})")
+        raise InputError(f"{folder} holds a model that declares no shared cycle (config.{CONFIG_KEY})")
     return tie(model), AutoTokenizer.from_pretrained(folder)

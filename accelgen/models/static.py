@@ -34,6 +34,7 @@ import torch
 
 from accelgen import cache as kv
 from accelgen.draft import causal, to_device
+from accelgen.errors import InputError
 from accelgen.models.block import Block
 from accelgen.models.layouts import alibi_layout
 from accelgen.models.runner import ModelRunner
@@ -124,11 +125,11 @@ class StaticRunner(ModelRunner):
     def __init__(self, model, graphs: bool | None = None, capacity: int = FIRST_CAPACITY, compile: bool | str = "auto"):
         refusal = static_cache_refusal(model)
         if refusal:
-            raise ValueError(f"{refusal}: decode it with cache='dynamic'")
+            raise InputError(f"{refusal}: decode it with cache='dynamic'")
         super().__init__(model)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model on a CUDA device")
+            raise InputError("CUDA graphs need the model on a CUDA device")
         self.compile = compile_choice(compile, self.device)
         self.largest = self.max_positions + BUCKETS[-1]  # the context, and room for the widest bucket's padding
         self._length = 0
@@ -168,7 +169,7 @@ class StaticRunner(ModelRunner):
         float32 logits. Tokens may live on the host or the device."""
         m = token_ids.shape[0] + (0 if appended is None else appended.shape[0])
         if appended is not None and tree is not None and tree.shape[0] != m:
-            raise ValueError("appended embeddings follow a chain, not a tree over the tokens alone: a tree with "
+            raise InputError("appended embeddings follow a chain, not a tree over the tokens alone: a tree with "
                              "appended embeddings covers both, (m + a, m + a)")
         block = Block(self._length, causal(m) if tree is None else tree)
         bucket = bucket_for(m) if appended is None else None
@@ -209,7 +210,7 @@ class StaticRunner(ModelRunner):
         if needed <= self.cache.capacity:
             return
         if needed > self.largest:
-            raise ValueError(f"{needed} positions do not fit the model's context of {self.max_positions}")
+            raise InputError(f"{needed} positions do not fit the model's context of {self.max_positions}")
         capacity = self.cache.capacity
         while capacity < needed:
             capacity = min(2 * capacity, self.largest)
@@ -270,7 +271,7 @@ class StaticRunner(ModelRunner):
         if self.keep_layers:
             states = output.hidden_states
             if states is None or max(self.keep_layers) >= len(states):
-                raise ValueError(f"{type(self.model).__name__} returned too few hidden states for the layers "
+                raise InputError(f"{type(self.model).__name__} returned too few hidden states for the layers "
                                  f"{list(self.keep_layers)} the drafter reads")
             layers = torch.cat([states[index][0] for index in self.keep_layers], dim=-1)
         return output.logits, hidden, layers
@@ -346,7 +347,7 @@ def compile_choice(compile: bool | str, device: torch.device) -> bool:
         return device.type == "cuda"
     if isinstance(compile, bool):
         return compile
-    raise ValueError(f"unknown compile {compile!r}; choose 'auto', True or False")
+    raise InputError(f"unknown compile {compile!r}; choose 'auto', True or False")
 
 
 def first_line(error: BaseException) -> str:

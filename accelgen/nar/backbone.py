@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from accelgen.atomic import load_tensors, read_checked, save_tensors_atomically, write_json_atomically
+from accelgen.errors import InputError
 from accelgen.nar.tokens import PAD
 
 MODEL_KIND = "accelgen-nar"
@@ -45,11 +46,11 @@ class BackboneConfig:
 
     def __post_init__(self):
         if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not a multiple of heads {self.heads}")
+            raise InputError(f"width {self.width} is not a multiple of heads {self.heads}")
         sizes = (self.vocab_size, self.width, self.heads, self.encoder_layers, self.decoder_layers, self.feedforward,
                  self.max_source_len, self.max_target_len)
         if min(sizes) < 1:
-            raise ValueError(f"every size of a backbone must be positive: {self}")
+            raise InputError(f"every size of a backbone must be positive: {self}")
 
 
 class Seq2SeqBackbone(nn.Module):
@@ -76,7 +77,7 @@ class Seq2SeqBackbone(nn.Module):
         """src_ids (B, S), src_mask (B, S) bool (True on real tokens) -> memory (B, S, width)."""
         length = src_ids.shape[1]
         if length > self.config.max_source_len:
-            raise ValueError(f"the input has {length} tokens but this encoder reads at most "
+            raise InputError(f"the input has {length} tokens but this encoder reads at most "
                              f"{self.config.max_source_len} (max_source_len): truncate it (encode_pairs does) or "
                              f"train a model with a larger max_source_len")
         positions = self.source_positions(torch.arange(length, device=src_ids.device))
@@ -90,7 +91,7 @@ class Seq2SeqBackbone(nn.Module):
         each other) -> hidden states (B, T, width)."""
         length = inputs.shape[1]
         if length > self.config.max_target_len + 1:
-            raise ValueError(f"the decoder was asked for {length} positions but has {self.config.max_target_len + 1} "
+            raise InputError(f"the decoder was asked for {length} positions but has {self.config.max_target_len + 1} "
                              f"(max_target_len tokens and an EOS)")
         positions = self.target_positions(torch.arange(length, device=inputs.device))
         return self.decoder(inputs + positions, memory, tgt_mask=attention_mask, tgt_key_padding_mask=~target_mask,
@@ -178,7 +179,7 @@ class MethodModel(nn.Module):
         try:
             model.load_state_dict(state)
         except RuntimeError as error:
-            raise ValueError(f"the weights in {folder} do not fit its config.json: {str(error)[:200]}") from None
+            raise InputError(f"the weights in {folder} do not fit its config.json: {str(error)[:200]}") from None
         return model.eval()
 
 
@@ -186,7 +187,7 @@ def read_model_config(folder: Path, method: str) -> tuple[BackboneConfig, dict]:
     """(backbone config, method options) of the model in folder, which must be an accelgen NAR model of method."""
     saved = read_saved_config(folder)
     if saved.get("method") != method:
-        raise ValueError(f"{folder} holds a {saved.get('method')!r} model, not a {method!r} one: load it with the "
+        raise InputError(f"{folder} holds a {saved.get('method')!r} model, not a {method!r} one: load it with the "
                          f"class of its own method")
     return BackboneConfig(**saved["backbone"]), saved.get("options", {})
 
@@ -196,13 +197,13 @@ def read_saved_config(folder: Path) -> dict:
     for a folder that holds anything else."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"{folder} is not a model folder: it has no {CONFIG_FILE}")
+        raise InputError(f"{folder} is not a model folder: it has no {CONFIG_FILE}")
     saved = read_checked(path, lambda file: json.loads(file.read_text()), "save the model again")
     kind = saved.get("kind") if isinstance(saved, dict) else None
     if kind != MODEL_KIND:
         found = f"a {saved['model_type']!r} model" if isinstance(saved, dict) and "model_type" in saved else \
             f"a model of kind {kind!r}"
-        raise ValueError(f"{folder} holds {found}, not an accelgen NAR model (kind {MODEL_KIND!r})")
+        raise InputError(f"{folder} holds {found}, not an accelgen NAR model (kind {MODEL_KIND!r})")
     if saved.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{folder} was saved in format {saved.get('format')}; this version reads {FORMAT_VERSION}")
+        raise InputError(f"{folder} was saved in format {saved.get('format')}; this version reads {FORMAT_VERSION}")
     return saved

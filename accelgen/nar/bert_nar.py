@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import load_tensors
+from accelgen.errors import InputError
 from accelgen.nar.ar import until_eos
 from accelgen.nar.backbone import (WEIGHTS_FILE, BackboneConfig, MethodModel, masked_cross_entropy,
                                    read_saved_config)
@@ -81,12 +82,12 @@ def covering_ratio(source_lengths: torch.Tensor, target_lengths: torch.Tensor, c
     ratio returned is the largest that still gives each source length of the rows exactly those slots: min over s of
     (floor(m·s) + 1) / s, the farthest from m (and from rounding) among the equally short choices."""
     if not 0 < coverage <= 1:
-        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+        raise InputError(f"coverage must be in (0, 1], got {coverage}")
     if len(source_lengths) == 0 or len(source_lengths) != len(target_lengths):
-        raise ValueError(f"a length ratio is fitted on rows with a source and a target each, got "
+        raise InputError(f"a length ratio is fitted on rows with a source and a target each, got "
                          f"{len(source_lengths)} source and {len(target_lengths)} target lengths")
     if int(source_lengths.min()) < 1:
-        raise ValueError("every source must have at least one token to fit a length ratio on")
+        raise InputError("every source must have at least one token to fit a length ratio on")
     shares = (target_lengths.double() / source_lengths.double()).sort().values  # L / S, float64
     covered = max(math.ceil(coverage * len(shares) - ROUNDING_SLACK), 1)  # rows the ratio must hold
     bound = shares[covered - 1]  # m: the ratio must exceed it
@@ -102,7 +103,7 @@ def slot_targets(tgt_ids: torch.Tensor, tgt_mask: torch.Tensor,
     slots: each row's target, then EOS in its remaining slots, PAD after them. A row needs L + 1 slots or more."""
     lengths = tgt_mask.sum(dim=1)
     if bool((slots < lengths + 1).any()):
-        raise ValueError("every row needs a slot for each target token and one for its EOS")
+        raise InputError("every row needs a slot for each target token and one for its EOS")
     width = int(slots.max())
     positions = torch.arange(width, device=tgt_ids.device).unsqueeze(0)  # (1, T)
     slot_mask = positions < slots.unsqueeze(1)
@@ -145,10 +146,10 @@ class BertNARModel(MethodModel):
         super().__init__(config)
         if length_ratio is not None and (isinstance(length_ratio, bool) or not isinstance(length_ratio, (int, float))
                                          or not (math.isfinite(length_ratio) and length_ratio > 0)):
-            raise ValueError(f"length_ratio must be a positive number (or None until fit_length_ratio), got "
+            raise InputError(f"length_ratio must be a positive number (or None until fit_length_ratio), got "
                              f"{length_ratio!r}")
         if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 0:
-            raise ValueError(f"context_window must be an integer >= 0 (0: no unlikelihood term), got "
+            raise InputError(f"context_window must be an integer >= 0 (0: no unlikelihood term), got "
                              f"{context_window!r}")
         self.length_ratio = None if length_ratio is None else float(length_ratio)
         self.context_window = context_window
@@ -174,20 +175,20 @@ class BertNARModel(MethodModel):
         saved = read_saved_config(folder)
         config = BackboneConfig(**saved["backbone"])
         if replace(config, dropout=self.config.dropout) != self.config:
-            raise ValueError(f"the backbone in {folder} ({config}) does not have this model's sizes ({self.config})")
+            raise InputError(f"the backbone in {folder} ({config}) does not have this model's sizes ({self.config})")
         state = load_tensors(Path(folder) / WEIGHTS_FILE, "save the model again")
         backbone = {name.removeprefix("backbone."): tensor for name, tensor in state.items()
                     if name.startswith("backbone.")}
         try:
             self.backbone.load_state_dict(backbone)
         except RuntimeError as error:
-            raise ValueError(f"the weights in {folder} do not fit its config.json: {str(error)[:200]}") from None
+            raise InputError(f"the weights in {folder} do not fit its config.json: {str(error)[:200]}") from None
         return self
 
     def slots(self, src_mask: torch.Tensor) -> torch.Tensor:
         """src_mask (B, S) -> the ratio-first slot count of each source (B,)."""
         if self.length_ratio is None:
-            raise ValueError("length_ratio is not set: fit it on the training rows with fit_length_ratio(rows) "
+            raise InputError("length_ratio is not set: fit it on the training rows with fit_length_ratio(rows) "
                              "before training, or pass length_ratio=")
         return slot_counts(src_mask.sum(dim=1), self.length_ratio, self.config.max_target_len + 1)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelgen.atomic import save_pretrained_atomically
+from accelgen.errors import InputError
 from accelgen.nar.backbone import MethodModel, read_saved_config
 from accelgen.nar.tokens import Vocabulary
 
@@ -55,7 +56,7 @@ NAR_METHODS = {method.name: method for method in (
 def nar_method(name: str) -> NARMethod:
     """The method called name; a ValueError listing the methods for any other name."""
     if name not in NAR_METHODS:
-        raise ValueError(f"unknown NAR method {name!r}; choose one of {', '.join(NAR_METHODS)}")
+        raise InputError(f"unknown NAR method {name!r}; choose one of {', '.join(NAR_METHODS)}")
     return NAR_METHODS[name]
 
 
@@ -67,7 +68,7 @@ def load_nar_model(folder: Path) -> MethodModel:
         model_class = method.load_class()
         if model_class.method == saved_method:
             return model_class.load(folder)
-    raise ValueError(f"{folder} holds a model of method {saved_method!r}, which this version does not know")
+    raise InputError(f"{folder} holds a model of method {saved_method!r}, which this version does not know")
 
 
 def new_model(name: str, config, options: dict, rows: dict, vocabulary) -> MethodModel:
@@ -92,9 +93,9 @@ def load_trained(folder: Path) -> tuple[MethodModel, Vocabulary]:
 
     model = load_nar_model(folder)
     if not (Path(folder) / VOCAB_FILE).is_file():
-        raise ValueError(f"{folder} holds a model but no {VOCAB_FILE}: it was not saved by `accelgen train nar`")
+        raise InputError(f"{folder} holds a model but no {VOCAB_FILE}: it was not saved by `accelgen train nar`")
     tokenizer = AutoTokenizer.from_pretrained(Path(folder) / TOKENIZER_FOLDER)
     vocabulary = Vocabulary.load(Path(folder) / VOCAB_FILE, tokenizer)
     if len(vocabulary) != model.config.vocab_size:
-        raise ValueError(f"{folder}: the vocabulary has {len(vocabulary)} ids, the model {model.config.vocab_size}")
+        raise InputError(f"{folder}: the vocabulary has {len(vocabulary)} ids, the model {model.config.vocab_size}")
     return model, vocabulary

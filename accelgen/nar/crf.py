@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig, length_loss, masked_cross_entropy
 from accelgen.nar.nat import NATModel, uniform_fertilities
 from accelgen.nar.tokens import EOS, NEVER_GENERATED
@@ -57,15 +58,15 @@ DECODINGS = ("viterbi", "argmax")
 def check_prefix_mask(mask: torch.Tensor) -> None:
     """mask (B, L) bool: a ValueError unless every row is a non-empty run of True followed by padding."""
     if mask.shape[1] == 0 or not mask[:, 0].all():
-        raise ValueError("every row of a CRF's mask needs at least one real position, at the start")
+        raise InputError("every row of a CRF's mask needs at least one real position, at the start")
     if (mask[:, 1:] & ~mask[:, :-1]).any():
-        raise ValueError("a CRF's mask must be right-padded: True on a prefix of each row, then False")
+        raise InputError("a CRF's mask must be right-padded: True on a prefix of each row, then False")
 
 
 def check_lattice(emissions: torch.Tensor, transitions: torch.Tensor, mask: torch.Tensor) -> None:
     rows, length, beam = emissions.shape
     if transitions.shape != (rows, max(length - 1, 0), beam, beam) or mask.shape != (rows, length):
-        raise ValueError(f"emissions {tuple(emissions.shape)} (B, L, k) need transitions (B, L-1, k, k) and mask "
+        raise InputError(f"emissions {tuple(emissions.shape)} (B, L, k) need transitions (B, L-1, k, k) and mask "
                          f"(B, L); got {tuple(transitions.shape)} and {tuple(mask.shape)}")
     check_prefix_mask(mask)
 
@@ -128,7 +129,7 @@ def beam_candidates(emissions: torch.Tensor, beam: int, targets: torch.Tensor | 
     with targets (B, L), each position's target token is forced in, first (in place of the lowest of the others
     when it is not already among them), so that the gold path is one of the lattice's."""
     if not 1 <= beam <= emissions.shape[-1]:
-        raise ValueError(f"beam must be in 1..{emissions.shape[-1]} (the vocabulary), got {beam}")
+        raise InputError(f"beam must be in 1..{emissions.shape[-1]} (the vocabulary), got {beam}")
     ranking = emissions.detach()  # which tokens take part is a choice, not something to differentiate
     if targets is not None:
         ranking = ranking.scatter(2, targets.unsqueeze(2), float("inf"))
@@ -191,11 +192,11 @@ class CRFModel(NATModel):
                  token_loss_weight: float = 0.0):
         super().__init__(config, decoder_inputs="uniform")
         if rank < 1:
-            raise ValueError(f"rank (of the transition factors E1, E2) must be >= 1, got {rank}")
+            raise InputError(f"rank (of the transition factors E1, E2) must be >= 1, got {rank}")
         if beam < 1:
-            raise ValueError(f"beam (tokens per position in the CRF's lattice) must be >= 1, got {beam}")
+            raise InputError(f"beam (tokens per position in the CRF's lattice) must be >= 1, got {beam}")
         if not token_loss_weight >= 0:
-            raise ValueError(f"token_loss_weight must be >= 0, got {token_loss_weight}")
+            raise InputError(f"token_loss_weight must be >= 0, got {token_loss_weight}")
         self.rank, self.beam, self.dynamic, self.token_loss_weight = rank, beam, bool(dynamic), float(token_loss_weight)
         self.lattice_size = min(beam, config.vocab_size)  # a beam wider than the vocabulary: all of it (exact CRF)
         # E1 random, E2 zero: every transition starts at 0, the CRF starts as the plain NAT (see the docstring)
@@ -244,7 +245,7 @@ class CRFModel(NATModel):
         over each position's top-`beam` tokens ("argmax": NATModel's per-position argmax of the same emissions,
         the CRF ignored) -> (tokens (B, T), mask (B, T))."""
         if decoding not in DECODINGS:
-            raise ValueError(f"decoding must be one of {DECODINGS}, got {decoding!r}")
+            raise InputError(f"decoding must be one of {DECODINGS}, got {decoding!r}")
         if decoding == "argmax":
             return super().decode_fertilities(src_ids, src_mask, memory, fertility)
         width = min(max(int(fertility.sum(dim=1).max()), 1), self.config.max_target_len)

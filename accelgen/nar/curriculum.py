@@ -56,6 +56,7 @@ import math
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig, MethodModel, causal_mask, length_loss, masked_cross_entropy
 from accelgen.nar.mask_predict import lowest_confidence_positions
 from accelgen.nar.nat import copy_positions, uniform_fertilities
@@ -72,7 +73,7 @@ def pace(progress: float, pacing: str) -> float:
     """The share λ of NAR positions at `progress` (0..1, clipped) through the curriculum: linear, or logarithmic
     log(1 + (I − 1)·progress) / log(I), the paper's log(i) / log(I) with stage i = 1 + (I − 1)·progress."""
     if pacing not in PACINGS:
-        raise ValueError(f"pacing must be one of {PACINGS}, got {pacing!r}")
+        raise InputError(f"pacing must be one of {PACINGS}, got {pacing!r}")
     progress = min(max(progress, 0.0), 1.0)
     if pacing == "linear":
         return progress
@@ -139,11 +140,11 @@ class CurriculumModel(MethodModel):
         for name, value in (("ar_steps", ar_steps), ("backward_steps", backward_steps),
                             ("curriculum_steps", curriculum_steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+                raise InputError(f"{name} must be an integer >= 0, got {value!r}")
         if pacing not in PACINGS:
-            raise ValueError(f"pacing must be one of {PACINGS}, got {pacing!r}")
+            raise InputError(f"pacing must be one of {PACINGS}, got {pacing!r}")
         if not isinstance(input_transform, bool):
-            raise ValueError(f"input_transform must be True or False, got {input_transform!r}")
+            raise InputError(f"input_transform must be True or False, got {input_transform!r}")
         self.ar_steps, self.backward_steps, self.curriculum_steps = ar_steps, backward_steps, curriculum_steps
         self.pacing, self.input_transform = pacing, input_transform
         # the schedule's clock: training_inputs advances it once per training step; saved, so resume is exact
@@ -172,7 +173,7 @@ class CurriculumModel(MethodModel):
         """Restrict the input transformation's table to the tokens of rows' targets ("tgt", "tgt_mask" (N, T)) and
         EOS (DePA's target-side vocabulary); call it on the training rows before training. Returns its size."""
         if not self.input_transform:
-            raise ValueError("fit_target_vocabulary is for input_transform=True: this model has no table")
+            raise InputError("fit_target_vocabulary is for input_transform=True: this model has no table")
         vocabulary = torch.zeros_like(self.target_vocabulary)
         vocabulary[rows["tgt"][rows["tgt_mask"]].to(vocabulary.device)] = True
         vocabulary[EOS] = True
@@ -229,12 +230,12 @@ class CurriculumModel(MethodModel):
         (which decoding needs, trained from the first step)."""
         missing = [name for name in ("nar_inputs", "nar_queries", "backward") if name not in batch]
         if missing:
-            raise ValueError(f"the batch has no {missing}: pass it through training_inputs first")
+            raise InputError(f"the batch has no {missing}: pass it through training_inputs first")
         src, src_mask = batch["src"], batch["src_mask"]
         targets, target_mask = append_eos(batch["tgt"], batch["tgt_mask"])
         for name in ("nar_inputs", "nar_queries"):
             if batch[name].shape != targets.shape:
-                raise ValueError(f"{name} has shape {tuple(batch[name].shape)}, the target + EOS "
+                raise InputError(f"{name} has shape {tuple(batch[name].shape)}, the target + EOS "
                                  f"{tuple(targets.shape)}: draw it with training_inputs on this batch")
         memory = self.backbone.encode(src, src_mask)
         logits = self.curriculum_logits(src, src_mask, memory, targets, target_mask, batch["nar_inputs"],

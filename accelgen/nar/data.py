@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accelgen.atomic import read_checked, write_text_atomically
+from accelgen.errors import InputError
 
 # Folders never mined: tests (code written to exercise other code, often with copied docstrings), vendored
 # copies of other packages (the same code under two names would leak across the split), caches and metadata.
@@ -181,12 +182,12 @@ def split_by_package(examples: list[Example], held_out_fraction: float = 0.1,
     held-out split past 1.5 times its share trains instead (one torch or sympy would be the whole test set). No
     package is in two splits; the same examples and seed give the same splits."""
     if not 0 < held_out_fraction < 0.5:
-        raise ValueError(f"held_out_fraction must be in (0, 0.5), got {held_out_fraction}")
+        raise InputError(f"held_out_fraction must be in (0, 0.5), got {held_out_fraction}")
     by_package: dict[str, list[Example]] = {}
     for example in examples:
         by_package.setdefault(example.package, []).append(example)
     if len(by_package) < 3:
-        raise ValueError(f"a split by package needs at least 3 packages, got {len(by_package)}")
+        raise InputError(f"a split by package needs at least 3 packages, got {len(by_package)}")
     order = sorted(by_package)
     random.Random(seed).shuffle(order)
     wanted = held_out_fraction * len(examples)
@@ -197,7 +198,7 @@ def split_by_package(examples: list[Example], held_out_fraction: float = 0.1,
                             and len(split) + len(group) <= 1.5 * wanted), train)
         destination += group
     if not (train and valid and test):
-        raise ValueError(f"the packages cannot fill three splits ({len(train)}, {len(valid)} and {len(test)} "
+        raise InputError(f"the packages cannot fill three splits ({len(train)}, {len(valid)} and {len(test)} "
                          f"examples): change held_out_fraction or mine more packages")
     return train, valid, test
 

@@ -49,6 +49,7 @@ import math
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig
 from accelgen.nar.nat import NATModel, lexical_alignment
 
@@ -81,7 +82,7 @@ def fit_lexical_table(src_ids: torch.Tensor, src_mask: torch.Tensor, tgt_ids: to
     for name, ids, mask in (("source", src_ids, src_mask), ("target", tgt_ids, tgt_mask)):
         real = ids[mask]
         if len(real) and (int(real.min()) < 0 or int(real.max()) >= vocab_size):
-            raise ValueError(f"the {name} ids must lie in 0..{vocab_size - 1} (the model's vocabulary), found "
+            raise InputError(f"the {name} ids must lie in 0..{vocab_size - 1} (the model's vocabulary), found "
                              f"{int(real.min())}..{int(real.max())}")
     alignment = target_alignment(src_ids, src_mask, tgt_ids, tgt_mask)
     aligned_sources = src_ids.gather(1, alignment)[tgt_mask]  # the source token of every real target token
@@ -121,18 +122,18 @@ class ENATModel(NATModel):
                  alignment_weight: float | None = None):
         super().__init__(config, decoder_inputs="uniform")
         if decoder_inputs not in DECODER_INPUTS:
-            raise ValueError(f"decoder_inputs must be one of {DECODER_INPUTS}, got {decoder_inputs!r}")
+            raise InputError(f"decoder_inputs must be one of {DECODER_INPUTS}, got {decoder_inputs!r}")
         self.enhancement = decoder_inputs
         if decoder_inputs == "phrase-table":
             if alignment_weight is not None:
-                raise ValueError("alignment_weight weighs the embedding map's alignment loss: it applies to "
+                raise InputError("alignment_weight weighs the embedding map's alignment loss: it applies to "
                                  "decoder_inputs='embedding-map' only")
             self.register_buffer("phrase_table", torch.full((config.vocab_size,), UNFITTED, dtype=torch.long))
         else:
             alignment_weight = DEFAULT_ALIGNMENT_WEIGHT if alignment_weight is None else alignment_weight
             if isinstance(alignment_weight, bool) or not isinstance(alignment_weight, (int, float)) \
                     or not math.isfinite(alignment_weight) or alignment_weight < 0:
-                raise ValueError(f"alignment_weight must be a finite number >= 0, got {alignment_weight!r}")
+                raise InputError(f"alignment_weight must be a finite number >= 0, got {alignment_weight!r}")
             alignment_weight = float(alignment_weight)
             self.source_map = nn.Linear(config.width, config.width, bias=False)  # the paper's f(e) = eW
         self.alignment_weight = alignment_weight
@@ -148,7 +149,7 @@ class ENATModel(NATModel):
         """Learn the phrase table from training rows ({"src", "src_mask", "tgt", "tgt_mask"}); call it before
         training (and again to refit). Returns the model."""
         if self.enhancement != "phrase-table":
-            raise ValueError(f"only decoder_inputs='phrase-table' has a phrase table, this model's are "
+            raise InputError(f"only decoder_inputs='phrase-table' has a phrase table, this model's are "
                              f"{self.enhancement!r}")
         table = fit_lexical_table(rows["src"], rows["src_mask"], rows["tgt"], rows["tgt_mask"],
                                   self.config.vocab_size)
@@ -158,10 +159,10 @@ class ENATModel(NATModel):
     def translate(self, src_ids: torch.Tensor) -> torch.Tensor:
         """src_ids (B, S) -> (B, S): each source token's translation by the phrase table."""
         if self.enhancement != "phrase-table":
-            raise ValueError(f"only decoder_inputs='phrase-table' translates by a table, this model's are "
+            raise InputError(f"only decoder_inputs='phrase-table' translates by a table, this model's are "
                              f"{self.enhancement!r}")
         if bool((self.phrase_table == UNFITTED).any()):
-            raise ValueError("the phrase table is not fitted: call model.fit_phrase_table(training rows) before "
+            raise InputError("the phrase table is not fitted: call model.fit_phrase_table(training rows) before "
                              "training or decoding")
         return self.phrase_table[src_ids]
 
@@ -189,7 +190,7 @@ class ENATModel(NATModel):
         if self.enhancement != "embedding-map":
             return loss, metrics
         if "alignment" not in batch:
-            raise ValueError("an embedding-map batch needs its 'alignment': pass it through model.training_inputs")
+            raise InputError("an embedding-map batch needs its 'alignment': pass it through model.training_inputs")
         mapped = self.source_embeddings(batch["src"])  # (B, S, width)
         goal = self.backbone.embed_tokens(batch["tgt"]).detach()  # a fixed goal: see the module's docstring
         alignment = word_alignment_loss(mapped, batch["alignment"], goal, batch["tgt_mask"])

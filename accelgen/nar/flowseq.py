@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig, MethodModel, length_loss
 from accelgen.nar.nat import NoisyParallelDecoding, Scorer
 from accelgen.nar.tokens import fixed_length_tokens, length_mask
@@ -231,7 +232,7 @@ class ConditionalFlow(nn.Module):
     def condition(self, memory: torch.Tensor, src_mask: torch.Tensor, length: int) -> Condition:
         """memory (B, S, width), src_mask (B, S) -> what the couplings of a T = length flow read."""
         if length > self.max_positions:
-            raise ValueError(f"the flow was asked for {length} positions but has {self.max_positions} "
+            raise InputError(f"the flow was asked for {length} positions but has {self.max_positions} "
                              f"(max_target_len + 1)")
         return Condition(memory, src_mask, self.positions(torch.arange(length, device=memory.device)))
 
@@ -297,10 +298,10 @@ class FlowSeqModel(MethodModel):
     def __init__(self, config: BackboneConfig, latent_dim: int = 32, flow_steps: int = 2):
         super().__init__(config)
         if latent_dim < 2 or latent_dim % 2:
-            raise ValueError(f"latent_dim must be an even number >= 2 (the couplings split it in halves), "
+            raise InputError(f"latent_dim must be an even number >= 2 (the couplings split it in halves), "
                              f"got {latent_dim}")
         if flow_steps < 1:
-            raise ValueError(f"flow_steps must be >= 1, got {flow_steps}")
+            raise InputError(f"flow_steps must be >= 1, got {flow_steps}")
         self.latent_dim, self.flow_steps = latent_dim, flow_steps
         self.posterior = Posterior(config, latent_dim)
         self.prior_flow = ConditionalFlow(latent_dim, config, flow_steps)
@@ -338,7 +339,7 @@ class FlowSeqModel(MethodModel):
         src, src_mask, tgt, tgt_mask = batch["src"], batch["src_mask"], batch["tgt"], batch["tgt_mask"]
         noise = batch["posterior_noise"]
         if noise.shape != (*tgt.shape, self.latent_dim):
-            raise ValueError(f"posterior_noise must have the shape of the targets plus latent_dim, "
+            raise InputError(f"posterior_noise must have the shape of the targets plus latent_dim, "
                              f"{(*tgt.shape, self.latent_dim)}, got {tuple(noise.shape)}")
         memory = self.backbone.encode(src, src_mask)
         mean, log_variance = self.posterior_parameters(tgt, tgt_mask, memory, src_mask)
@@ -383,9 +384,9 @@ def noisy_parallel_decode(model: FlowSeqModel, src_ids: torch.Tensor, src_mask: 
     ε = 0; all (2·length_window + 1)·samples candidates decoded in one parallel pass and scored by scorer in one
     batched call; each source's best-scored candidate wins. Candidate 0 is argmax decoding's output."""
     if samples < 1 or length_window < 0:
-        raise ValueError(f"samples must be >= 1 and length_window >= 0, got {samples} and {length_window}")
+        raise InputError(f"samples must be >= 1 and length_window >= 0, got {samples} and {length_window}")
     if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise InputError(f"temperature must be >= 0, got {temperature}")
     backbone = model.backbone
     memory = backbone.encode(src_ids, src_mask)
     best = backbone.length_logits(memory, src_mask).argmax(-1) + 1

@@ -55,6 +55,7 @@ import math
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig, MethodModel, causal_mask, length_loss, masked_cross_entropy
 from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, length_mask
 
@@ -64,7 +65,7 @@ from accelgen.nar.tokens import EOS, NEVER_GENERATED, PAD, length_mask
 def split_slices(vectors: torch.Tensor, slices: int) -> torch.Tensor:
     """vectors (..., D) -> (..., slices, D / slices): slice i is dimensions i·D/n .. (i+1)·D/n - 1."""
     if vectors.shape[-1] % slices:
-        raise ValueError(f"{vectors.shape[-1]} dimensions cannot be cut into {slices} equal slices")
+        raise InputError(f"{vectors.shape[-1]} dimensions cannot be cut into {slices} equal slices")
     return vectors.unflatten(-1, (slices, vectors.shape[-1] // slices))
 
 
@@ -170,15 +171,15 @@ class LatentTransformerModel(MethodModel):
                  latent_layers: int = 1, commitment: float = 0.25):
         super().__init__(config)
         if not 1 <= compression <= config.max_target_len:
-            raise ValueError(f"compression must be in 1..{config.max_target_len} (max_target_len), got {compression}")
+            raise InputError(f"compression must be in 1..{config.max_target_len} (max_target_len), got {compression}")
         if slices < 1 or config.width % slices:
-            raise ValueError(f"slices must be a positive divisor of the width {config.width}, got {slices}")
+            raise InputError(f"slices must be a positive divisor of the width {config.width}, got {slices}")
         if codes < 2:
-            raise ValueError(f"codes (per slice's codebook) must be >= 2, got {codes}")
+            raise InputError(f"codes (per slice's codebook) must be >= 2, got {codes}")
         if latent_layers < 1:
-            raise ValueError(f"latent_layers must be >= 1, got {latent_layers}")
+            raise InputError(f"latent_layers must be >= 1, got {latent_layers}")
         if not commitment >= 0:  # also refuses NaN
-            raise ValueError(f"commitment must be >= 0, got {commitment}")
+            raise InputError(f"commitment must be >= 0, got {commitment}")
         self.compression, self.slices, self.codes = compression, slices, codes
         self.latent_layers, self.commitment = latent_layers, float(commitment)
         self.max_latents = math.ceil(config.max_target_len / compression)
@@ -198,7 +199,7 @@ class LatentTransformerModel(MethodModel):
         """ae(y, x): tgt_ids (B, T), tgt_mask (B, T) bool, memory (B, S, width), src_mask (B, S) -> (latent vectors
         (B, L, width), latent_mask (B, L) bool), L = ceil(T / c), the target padded with PAD to L·c."""
         if tgt_ids.shape[1] > self.config.max_target_len:
-            raise ValueError(f"the targets have {tgt_ids.shape[1]} tokens but this model reads at most "
+            raise InputError(f"the targets have {tgt_ids.shape[1]} tokens but this model reads at most "
                              f"{self.config.max_target_len} (max_target_len): encode_pairs cuts them")
         padding = -tgt_ids.shape[1] % self.compression
         ids = nn.functional.pad(tgt_ids, (0, padding), value=PAD)

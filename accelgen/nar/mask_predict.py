@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import MethodModel, length_loss, masked_cross_entropy
 from accelgen.nar.tokens import EOS, MASK, NEVER_GENERATED, length_mask
 
@@ -78,7 +79,7 @@ def mask_predict(model: CMLMModel, src_ids: torch.Tensor, src_mask: torch.Tensor
     """The target ids of each source (B, S): `iterations` rounds of Mask-Predict for each of its
     `length_candidates` most likely lengths, all candidates decoded together; the best average log-prob wins."""
     if iterations < 1 or length_candidates < 1:
-        raise ValueError(f"iterations and length_candidates must be >= 1, got {iterations} and {length_candidates}")
+        raise InputError(f"iterations and length_candidates must be >= 1, got {iterations} and {length_candidates}")
     backbone = model.backbone
     memory = backbone.encode(src_ids, src_mask)
     count = min(length_candidates, backbone.config.max_target_len)

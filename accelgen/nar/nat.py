@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig, MethodModel, length_loss, masked_cross_entropy
 from accelgen.nar.tokens import EOS, NEVER_GENERATED
 
@@ -56,7 +57,7 @@ def lexical_alignment(source: list[int], target: list[int], max_fertility: int) 
     target's uniform position), else the uniform position itself. A source position holds at most max_fertility
     target tokens; a token that finds it full goes to the nearest position with room."""
     if len(target) > len(source) * max_fertility:
-        raise ValueError(f"a target of {len(target)} tokens cannot be aligned to {len(source)} source tokens of "
+        raise InputError(f"a target of {len(target)} tokens cannot be aligned to {len(source)} source tokens of "
                          f"fertility at most {max_fertility}: raise max_fertility")
     where: dict[int, list[int]] = {}
     for position, piece in enumerate(source):
@@ -107,9 +108,9 @@ class NATModel(MethodModel):
     def __init__(self, config: BackboneConfig, decoder_inputs: str = "fertility", max_fertility: int = 4):
         super().__init__(config)
         if decoder_inputs not in DECODER_INPUTS:
-            raise ValueError(f"decoder_inputs must be one of {DECODER_INPUTS}, got {decoder_inputs!r}")
+            raise InputError(f"decoder_inputs must be one of {DECODER_INPUTS}, got {decoder_inputs!r}")
         if max_fertility < 1:
-            raise ValueError(f"max_fertility must be >= 1, got {max_fertility}")
+            raise InputError(f"max_fertility must be >= 1, got {max_fertility}")
         self.decoder_inputs, self.max_fertility = decoder_inputs, max_fertility
         if decoder_inputs == "fertility":
             self.fertility_head = nn.Linear(config.width, max_fertility + 1)
@@ -152,7 +153,7 @@ class NATModel(MethodModel):
         if self.decoder_inputs == "fertility":
             fertility = batch["fertility"]
             if not torch.equal(fertility.sum(dim=1), tgt_mask.sum(dim=1)):
-                raise ValueError("each row's fertilities must sum to its target's length")
+                raise InputError("each row's fertilities must sum to its target's length")
             fertility_logits = self.fertility_head(memory)  # (B, S, max_fertility + 1)
             guide = masked_cross_entropy(fertility_logits, fertility.clamp(max=self.max_fertility), src_mask)
         else:

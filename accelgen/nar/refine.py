@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.backbone import BackboneConfig, MethodModel, length_loss, masked_cross_entropy
 from accelgen.nar.nat import copy_positions, uniform_fertilities
 from accelgen.nar.tokens import SPECIALS, fixed_length_tokens
@@ -150,13 +151,13 @@ class RefineModel(MethodModel):
         beta 0.33)."""
         super().__init__(config)
         if training_passes < 1:
-            raise ValueError(f"training_passes must be >= 1 (refinement passes per training step), got "
+            raise InputError(f"training_passes must be >= 1 (refinement passes per training step), got "
                              f"{training_passes}")
         for name, value in (("denoising", denoising), ("corruption_rate", corruption_rate)):
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} is a probability, in [0, 1], got {value}")
+                raise InputError(f"{name} is a probability, in [0, 1], got {value}")
         if config.vocab_size <= len(SPECIALS):
-            raise ValueError(f"a vocabulary of {config.vocab_size} ids has no token beyond the {len(SPECIALS)} "
+            raise InputError(f"a vocabulary of {config.vocab_size} ids has no token beyond the {len(SPECIALS)} "
                              f"specials to write")
         self.training_passes, self.denoising, self.corruption_rate = training_passes, denoising, corruption_rate
         self.refinement_marker = nn.Parameter(torch.randn(config.width))  # like a position embedding's N(0, 1)
@@ -184,7 +185,7 @@ class RefineModel(MethodModel):
         corrupted, denoised = batch["corrupted"], batch["denoised"]
         if corrupted.shape != (len(tgt), self.training_passes, tgt.shape[1]) or \
                 denoised.shape != (len(tgt), self.training_passes):
-            raise ValueError(f"a batch needs 'corrupted' (rows, {self.training_passes}, target width) and "
+            raise InputError(f"a batch needs 'corrupted' (rows, {self.training_passes}, target width) and "
                              f"'denoised' (rows, {self.training_passes}) for this model's training_passes, got "
                              f"{tuple(corrupted.shape)} and {tuple(denoised.shape)}")
         memory = self.backbone.encode(src, src_mask)
@@ -226,7 +227,7 @@ def refine_decode(model: RefineModel, src_ids: torch.Tensor, src_mask: torch.Ten
     its input unchanged or max_iterations passes have run. A row that has reached its fixed point leaves the batch:
     later passes run only on the rows still changing."""
     if max_iterations < 0:
-        raise ValueError(f"max_iterations must be >= 0, got {max_iterations}")
+        raise InputError(f"max_iterations must be >= 0, got {max_iterations}")
     memory = model.backbone.encode(src_ids, src_mask)
     lengths = model.backbone.length_logits(memory, src_mask).argmax(-1) + 1  # class i is length i + 1
     tokens, target_mask = initial_pass(model, src_ids, src_mask, memory, lengths)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.nar.ar import until_eos
 from accelgen.nar.backbone import BackboneConfig, MethodModel, Seq2SeqBackbone, masked_cross_entropy
 from accelgen.nar.tokens import BOS, EOS, NEVER_GENERATED, PAD, append_eos, shift_right
@@ -28,7 +29,7 @@ class SATModel(MethodModel):
     def __init__(self, config: BackboneConfig, group_size: int = 2):
         super().__init__(config)
         if not 1 <= group_size <= config.max_target_len:
-            raise ValueError(f"group_size must be in 1..{config.max_target_len}, got {group_size}")
+            raise InputError(f"group_size must be in 1..{config.max_target_len}, got {group_size}")
         self.group_size = group_size
 
     def options(self) -> dict:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.nar.ar import until_eos
 from accelgen.nar.backbone import BackboneConfig, MethodModel, causal_mask, masked_cross_entropy
 from accelgen.nar.nat import copy_positions
@@ -75,7 +76,7 @@ FIRST_CHUNK_ID = max(PAD, BOS, EOS) + 1
 def chunk_id(chunk_type: int, size: int, max_chunk_size: int) -> int:
     """The identifier of a chunk of chunk_type (an index into CHUNK_TYPES) and size 1..max_chunk_size."""
     if not 0 <= chunk_type < len(CHUNK_TYPES) or not 1 <= size <= max_chunk_size:
-        raise ValueError(f"no chunk identifier for type {chunk_type} and size {size} (types 0..{len(CHUNK_TYPES) - 1}"
+        raise InputError(f"no chunk identifier for type {chunk_type} and size {size} (types 0..{len(CHUNK_TYPES) - 1}"
                          f", sizes 1..{max_chunk_size})")
     return FIRST_CHUNK_ID + chunk_type * max_chunk_size + size - 1
 
@@ -98,7 +99,7 @@ def chunk_name(identifier: int, max_chunk_size: int) -> str:
         return names[identifier]
     chunk_type, size = divmod(identifier - FIRST_CHUNK_ID, max_chunk_size)
     if not 0 <= chunk_type < len(CHUNK_TYPES):
-        raise ValueError(f"{identifier} is not a chunk identifier for max_chunk_size {max_chunk_size}")
+        raise InputError(f"{identifier} is not a chunk identifier for max_chunk_size {max_chunk_size}")
     return f"{CHUNK_TYPES[chunk_type]}{size + 1}"
 
 
@@ -205,7 +206,7 @@ def chunk_tokens(word_start: list[bool], classes: list[int], max_chunk_size: int
     """The chunks (type, size) of a target given its pieces' word_start and classes: sizes sum to its length,
     none exceeds max_chunk_size."""
     if len(word_start) != len(classes):
-        raise ValueError(f"word_start has {len(word_start)} pieces but classes {len(classes)}")
+        raise InputError(f"word_start has {len(word_start)} pieces but classes {len(classes)}")
     return split_long_chunks(merge_words(typed_words(word_start, classes)), max_chunk_size)
 
 
@@ -254,7 +255,7 @@ class SynSTModel(MethodModel):
     def __init__(self, config: BackboneConfig, max_chunk_size: int = 4):
         super().__init__(config)
         if not 1 <= max_chunk_size <= config.max_target_len:
-            raise ValueError(f"max_chunk_size must be in 1..{config.max_target_len} (max_target_len), "
+            raise InputError(f"max_chunk_size must be in 1..{config.max_target_len} (max_target_len), "
                              f"got {max_chunk_size}")
         self.max_chunk_size = max_chunk_size
         identifiers = chunk_vocabulary_size(max_chunk_size)
@@ -277,7 +278,7 @@ class SynSTModel(MethodModel):
     def use_vocabulary(self, vocabulary: Vocabulary) -> SynSTModel:
         """Build the chunker's tables from vocabulary's tokenizer; returns the model."""
         if len(vocabulary) != self.config.vocab_size:
-            raise ValueError(f"the vocabulary has {len(vocabulary)} ids but the model {self.config.vocab_size} "
+            raise InputError(f"the vocabulary has {len(vocabulary)} ids but the model {self.config.vocab_size} "
                              f"(vocab_size): build the model over this vocabulary")
         word_start, classes = piece_tables(vocabulary)
         self.word_start.copy_(torch.tensor(word_start))
@@ -293,7 +294,7 @@ class SynSTModel(MethodModel):
         """tgt_ids (B, T), tgt_mask (B, T) -> (chunks (B, M), chunk_mask (B, M)): each target's chunk identifiers
         from the shallow chunker, padded."""
         if bool((self.piece_class == NOT_BUILT).any()):
-            raise ValueError("this SynST model has no chunker tables: make it with SynSTModel.from_vocabulary(config, "
+            raise InputError("this SynST model has no chunker tables: make it with SynSTModel.from_vocabulary(config, "
                              "vocabulary) or call use_vocabulary(vocabulary), or load a saved one")
         word_start, classes = self.word_start.cpu(), self.piece_class.cpu()
         rows = []
@@ -322,7 +323,7 @@ class SynSTModel(MethodModel):
         identifier and offset in it), token_mask (B, N) bool -> hidden states (B, C + N, width)."""
         chunk_length, token_length = chunk_inputs.shape[1], token_chunks.shape[1]
         if chunk_length > self.config.max_target_len + 1 or token_length > self.config.max_target_len:
-            raise ValueError(f"the decoder has {self.config.max_target_len + 1} chunk positions and "
+            raise InputError(f"the decoder has {self.config.max_target_len + 1} chunk positions and "
                              f"{self.config.max_target_len} token positions, asked for {chunk_length} and "
                              f"{token_length}")
         device = chunk_inputs.device
@@ -357,7 +358,7 @@ class SynSTModel(MethodModel):
         src, src_mask, tgt, tgt_mask = batch["src"], batch["src_mask"], batch["tgt"], batch["tgt_mask"]
         chunks, chunk_mask = batch["chunks"], batch["chunk_mask"]
         if not torch.equal((chunk_sizes(chunks, self.max_chunk_size) * chunk_mask).sum(dim=1), tgt_mask.sum(dim=1)):
-            raise ValueError("each row's chunk sizes must sum to its target's length")
+            raise InputError("each row's chunk sizes must sum to its target's length")
         memory = self.backbone.encode(src, src_mask)
         chunk_logits, token_logits, _ = self.layout_logits(memory, src_mask, chunks, chunk_mask, width=tgt.shape[1])
         chunk_targets, chunk_target_mask = append_eos(chunks, chunk_mask)  # the chunks, then the end
@@ -397,12 +398,12 @@ class SynSTModel(MethodModel):
         identifiers = chunk_vocabulary_size(self.max_chunk_size)
         for row in chunks:
             if not row:
-                raise ValueError("every row needs at least one chunk: a target has at least one token")
+                raise InputError("every row needs at least one chunk: a target has at least one token")
             if any(not FIRST_CHUNK_ID <= identifier < identifiers for identifier in row):
-                raise ValueError(f"{row} holds ids that are not chunks of size 1..{self.max_chunk_size}")
+                raise InputError(f"{row} holds ids that are not chunks of size 1..{self.max_chunk_size}")
             total = sum(chunk_sizes(torch.tensor(row, dtype=torch.long), self.max_chunk_size).tolist())
             if total > self.config.max_target_len:
-                raise ValueError(f"chunks of {total} tokens do not fit the decoder's {self.config.max_target_len}")
+                raise InputError(f"chunks of {total} tokens do not fit the decoder's {self.config.max_target_len}")
         chunk_ids, chunk_mask = (tensor.to(memory.device) for tensor in pad_sequences(chunks))
         _, token_logits, token_mask = self.layout_logits(memory, src_mask, chunk_ids, chunk_mask)
         token_logits[..., list(NEVER_GENERATED) + [EOS]] = float("-inf")  # the length is decided

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
+from accelgen.errors import InputError
 from accelgen.nar.catalog import TOKENIZER_FOLDER, VOCAB_FILE
 from accelgen.nar.data import Example, cached_corpus, load_examples, save_examples, split_by_package
 from accelgen.nar.tokens import Vocabulary, encode_pairs
@@ -52,12 +53,12 @@ class Task:
         """(source, summary) of the split's first `limit` examples, the summary the teacher's (of the examples it
         summarised) or the docstring's."""
         if target not in TARGETS:
-            raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+            raise InputError(f"target must be one of {TARGETS}, got {target!r}")
         examples = self.splits[split][:limit]
         if target == "docstring":
             return [(example.source, example.summary) for example in examples]
         if split not in self.teacher:
-            raise ValueError(f"{self.folder} has no teacher summaries of its {split} split: run `accelgen nar distill "
+            raise InputError(f"{self.folder} has no teacher summaries of its {split} split: run `accelgen nar distill "
                              f"--task {self.folder}` first, or train on --target docstring")
         return [(example.source, summary) for example, summary in zip(examples, self.teacher[split])]
 
@@ -94,7 +95,7 @@ def load_task(folder: Path) -> Task:
 
     folder = Path(folder)
     if not (folder / TASK_FILE).is_file():
-        raise ValueError(f"{folder} is not a code-summary task folder (no {TASK_FILE}): make one with "
+        raise InputError(f"{folder} is not a code-summary task folder (no {TASK_FILE}): make one with "
                          f"`accelgen nar data --out {folder}`")
     tokenizer = AutoTokenizer.from_pretrained(folder / TOKENIZER_FOLDER)
     vocabulary = Vocabulary.load(folder / VOCAB_FILE, tokenizer)

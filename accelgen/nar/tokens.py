@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import read_checked, write_json_atomically
+from accelgen.errors import InputError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<mask>", "<unk>")
 PAD, BOS, EOS, MASK, UNK = range(len(SPECIALS))
@@ -30,7 +31,7 @@ class Vocabulary:
         self.tokenizer_ids = list(tokenizer_ids)
         self.compact_of = {piece: len(SPECIALS) + index for index, piece in enumerate(self.tokenizer_ids)}
         if len(self.compact_of) != len(self.tokenizer_ids):
-            raise ValueError("a vocabulary's tokenizer ids must be distinct")
+            raise InputError("a vocabulary's tokenizer ids must be distinct")
 
     @classmethod
     def full(cls, tokenizer) -> Vocabulary:
@@ -41,7 +42,7 @@ class Vocabulary:
     def from_texts(cls, tokenizer, texts: list[str], size: int) -> Vocabulary:
         """The size - 5 pieces most frequent in texts (ties: the lower tokenizer id first), plus the specials."""
         if size <= len(SPECIALS):
-            raise ValueError(f"a vocabulary needs more than the {len(SPECIALS)} specials, got size {size}")
+            raise InputError(f"a vocabulary needs more than the {len(SPECIALS)} specials, got size {size}")
         counts = Counter(piece for text in texts for piece in tokenizer.encode(text, add_special_tokens=False))
         ranked = sorted(counts, key=lambda piece: (-counts[piece], piece))
         return cls(tokenizer, ranked[:size - len(SPECIALS)])
@@ -78,7 +79,7 @@ class Vocabulary:
         saved = read_checked(path, lambda file: json.loads(file.read_text()),
                              "delete it and build the vocabulary again")
         if saved.get("specials") != list(SPECIALS):
-            raise ValueError(f"{path} is not a vocabulary of this version (its specials are {saved.get('specials')})")
+            raise InputError(f"{path} is not a vocabulary of this version (its specials are {saved.get('specials')})")
         return cls(tokenizer, saved["tokenizer_ids"])
 
 
@@ -123,7 +124,7 @@ def encode_pairs(vocabulary: Vocabulary, pairs: list[tuple[str, str]], max_sourc
             sources.append(source_ids)
             targets.append(target_ids)
     if not sources:
-        raise ValueError("no pair has both a source and a summary to encode")
+        raise InputError("no pair has both a source and a summary to encode")
     src, src_mask = pad_sequences(sources)
     tgt, tgt_mask = pad_sequences(targets)
     return {"src": src, "src_mask": src_mask, "tgt": tgt, "tgt_mask": tgt_mask}

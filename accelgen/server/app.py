@@ -25,6 +25,8 @@ from accelgen.server.engine import Engine
 from accelgen.server.errors import APIError, add_error_handlers
 from accelgen.server.metrics import CONTENT_TYPE, Metrics
 from accelgen.server.middleware import Guard
+from accelgen.server.openapi import (HEALTH_RESPONSES, METRICS_RESPONSE, POST_ERRORS, ModelCard, ModelList,
+                                     error_responses, install, streamed)
 from accelgen.server.request_checks import chat_request, completion_prompt
 from accelgen.server.schemas import ChatBody, CompletionBody, Shape
 from accelgen.server.service import Admission, Service, served_methods
@@ -55,8 +57,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
                            allow_headers=["*"])
     add_model_routes(app, service)
     add_completion_routes(app, service)
+    install(app, config, list(service.methods))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSE | error_responses(401, 500))
     async def metrics_text():
         return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
@@ -67,17 +70,18 @@ def add_model_routes(app: FastAPI, service: Service) -> None:
     """/health, and the model served with its methods."""
     config = service.config
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES | error_responses(500))
     async def health():
         if not service.engine.ready.is_set():  # e.g. still timing batched forwards for its speculation policy
             return JSONResponse({"status": "starting", "detail": service.engine.starting}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}} | error_responses(401, 500))
     async def models():
         return {"object": "list", "data": [service.model_card(name) for name in config.served_names]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=None,
+             responses={200: {"model": ModelCard}} | error_responses(401, 404, 500))
     async def model(model_id: str):
         if model_id not in config.served_names:
             raise APIError(404, f"model {model_id!r} does not exist here; this server serves "
@@ -88,12 +92,14 @@ def add_model_routes(app: FastAPI, service: Service) -> None:
 def add_completion_routes(app: FastAPI, service: Service) -> None:
     """/v1/completions and /v1/chat/completions: each checks what is its own, then the service serves it."""
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=streamed("A text_completion, or its chunks when streamed")
+              | error_responses(*POST_ERRORS))
     async def completions(body: CompletionBody, http: HTTPRequest):
         prompt = completion_prompt(body)
         return await service.serve(body, prompt, http, Shape(chat=False, logprobs=body.logprobs, echo=body.echo))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=streamed("A chat.completion, or its chunks when streamed")
+              | error_responses(*POST_ERRORS))
     async def chat_completions(body: ChatBody, http: HTTPRequest):
         messages, shape = chat_request(body, service.config)
         return await service.serve(body, messages, http, shape)

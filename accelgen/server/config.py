@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from accelgen.errors import InputError
+
 
 @dataclass
 class ServerConfig:
@@ -30,4 +32,4 @@ class ServerConfig:
 
     def __post_init__(self):
         if self.api_key == "":
-            raise ValueError("an empty API key would turn authentication off: to serve without a key, give none")
+            raise InputError("an empty API key would turn authentication off: to serve without a key, give none")

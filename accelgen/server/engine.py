@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from accelgen.errors import InputError
 from accelgen.loop import Chunk, GenerationResult, Sequence, Step
 from accelgen.hardware import timed
 from accelgen.models.batch import batched_forward, forward_together
@@ -99,7 +100,7 @@ class Engine:
         """speculation: the policy capping drafts by batch (default: a token budget of 8); device: where the models
         run (None: the CPU), whose queued work the timings wait for."""
         if max_batch < 1 or prefill_chunk < 0:
-            raise ValueError("max_batch must be >= 1, prefill_chunk >= 0")
+            raise InputError("max_batch must be >= 1, prefill_chunk >= 0")
         self.device = device
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 
 class APIError(Exception):
@@ -29,6 +30,12 @@ def add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_request, error: RequestValidationError):
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
         return error_response(400, f"invalid request: {problems}")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, error: HTTPException):  # routing's own: no such path (404), method (405)
+        response = error_response(error.status_code, str(error.detail))
+        response.headers.update(error.headers or {})  # e.g. 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def bug(_request, error: Exception):  # still a bug, logged with its traceback; the client gets JSON

@@ -23,6 +23,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from accelgen.atomic import save_figure_atomically, write_json_atomically, write_text_atomically
+from accelgen.errors import InputError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # histogram bucket edges, seconds (the last bucket is open)
@@ -47,7 +48,7 @@ class Outcome:
 def check_loopback(url: str) -> None:
     host = urlparse(url).hostname
     if host not in LOOPBACK:
-        raise ValueError(f"the load test only targets this machine (127.0.0.1 / localhost), not {host!r}")
+        raise InputError(f"the load test only targets this machine (127.0.0.1 / localhost), not {host!r}")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, method: str, round_index: int, t0: float,

@@ -4,6 +4,7 @@ server-sent events, usage, logprobs in both of OpenAI's forms, and accelgen's st
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 
@@ -140,7 +141,9 @@ def logprob_entries(tokenizer, logprobs: list | None) -> list[dict] | None:
 
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": max(float(logprob), LOWEST_LOGPROB), "bytes": list(text.encode())}
+        logprob = float(logprob)  # NaN where the processing left no token possible: none could be drawn either
+        logprob = LOWEST_LOGPROB if math.isnan(logprob) else max(logprob, LOWEST_LOGPROB)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return [entry(item.token_id, item.logprob) | {"top_logprobs": [entry(token, value) for token, value in item.top]}
             for item in logprobs]

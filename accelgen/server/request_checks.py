@@ -153,7 +153,7 @@ def chat_message(message: ChatMessage) -> dict:
     """A message as chat templates take it."""
     text = message_text(message.content)
     if message.tool_calls is not None:
-        return {"role": message.role, "content": text, "tool_calls": message.tool_calls}
+        return {"role": message.role, "content": text, "tool_calls": [call.model_dump() for call in message.tool_calls]}
     if message.tool_call_id is not None:
         return {"role": message.role, "content": text, "tool_call_id": message.tool_call_id}
     return {"role": message.role, "content": text}
@@ -244,13 +244,13 @@ def vllm_sampling(body: RequestBody, max_tokens: int, config: ServerConfig) -> d
     if body.bad_words:
         options["bad_words_ids"] = bad_words_ids(config.tokenizer, body.bad_words)
     processors = []
-    if body.min_p and body.temperature > 0:  # greedy decoding keeps the most likely token, which min_p never drops
-        processors.append(MinP(body.min_p, body.temperature))
-    if body.allowed_token_ids is not None:
+    if body.allowed_token_ids is not None:  # first, as in vLLM: min_p then weighs the allowed tokens only
         try:
             processors.append(AllowedTokens(body.allowed_token_ids, vocab_size))
         except ValueError as error:
             raise APIError(400, str(error), param="allowed_token_ids") from None
+    if body.min_p and body.temperature > 0:  # greedy decoding keeps the most likely token, which min_p never drops
+        processors.append(MinP(body.min_p, body.temperature))
     if processors:
         options["logits_processors"] = processors
     return options

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from accelgen.server.tools import Tool, ToolChoice
+from accelgen.server.tools import Tool, ToolCall, ToolChoice
 
 
 # OpenAI allows 4 stop sequences. The matcher costs time linear in their length (stopping.py), but a stop
@@ -78,6 +78,19 @@ class RequestBody(BaseModel):
     kv_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def whole_numbers(cls, data):
+        """2.0 is the integer 2, as JSON Schema (the OpenAPI document) has it: for the fields and their lists of
+        numbers (token ids), not inside objects, which are the client's own (a JSON schema, a document)."""
+        return {name: whole(value) for name, value in data.items()} if isinstance(data, dict) else data
+
+
+def whole(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [whole(item) for item in value] if isinstance(value, list) else value
+
 
 class CompletionBody(RequestBody):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -101,7 +114,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Callable
 
 from accelgen.costs import SIZES, Timer, forward_seconds, probe_interval
+from accelgen.errors import InputError
 from accelgen.profile import interpolate
 from accelgen.theory import AcceptanceEstimate, expected_tokens_per_forward
 
@@ -51,7 +52,7 @@ class ForwardCosts:
     def __init__(self, seconds: dict[int, dict[int, float]]):
         """seconds: batch size -> block width -> seconds."""
         if not seconds or not all(seconds.values()):
-            raise ValueError("ForwardCosts needs at least one measured forward per batch size")
+            raise InputError("ForwardCosts needs at least one measured forward per batch size")
         self.seconds = {batch: dict(widths) for batch, widths in seconds.items()}
 
     def __call__(self, batch: int, width: int) -> float:
@@ -125,7 +126,7 @@ class TokenBudget:
 
     def __init__(self, budget: int):
         if budget < 0:
-            raise ValueError(f"token budget must be >= 0, got {budget}")
+            raise InputError(f"token budget must be >= 0, got {budget}")
         self.budget = budget
 
     def draft_length(self, decoding: list) -> int | None:
@@ -152,9 +153,9 @@ class Goodput:
         """target, draft: the costs; or calibration(report), which measures them (target, draft) in `prepare`,
         reporting its progress in words (see policy_calibration)."""
         if max_draft < 0:
-            raise ValueError(f"max_draft must be >= 0, got {max_draft}")
+            raise InputError(f"max_draft must be >= 0, got {max_draft}")
         if target is None and calibration is None:
-            raise ValueError("Goodput needs the target's forward costs, or a calibration that measures them")
+            raise InputError("Goodput needs the target's forward costs, or a calibration that measures them")
         self.target = target
         self.draft = draft
         self.max_draft = max_draft

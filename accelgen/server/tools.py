@@ -55,6 +55,23 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made earlier in the conversation (OpenAI's form)."""
+
+    model_config = ConfigDict(strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 def chosen_tools(tools: list[Tool], tool_choice: ToolChoice | None) -> list[Tool]:
     """The tools a call may name under tool_choice (all of them, or the named one); ValueError for an unknown name."""
     if isinstance(tool_choice, NamedToolChoice):
@@ -113,9 +130,18 @@ def template_message(message: dict) -> dict:
     if not calls:
         return message
     parsed = [{"type": "function", "function": {"name": call["function"]["name"],
-                                                "arguments": json.loads(call["function"]["arguments"] or "{}")}}
+                                                "arguments": call_arguments(call["function"]["arguments"])}}
               for call in calls]
     return message | {"content": message.get("content") or "", "tool_calls": parsed}
+
+
+def call_arguments(text: str):
+    """A call's arguments as an object, or as given where they are not a JSON object (the template shows them)."""
+    try:
+        arguments = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return text
+    return arguments if isinstance(arguments, dict) else text
 
 
 def written_call(message: dict) -> str:

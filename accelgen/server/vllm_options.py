@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelgen.errors import InputError
+
 # vLLM's speculative methods with no counterpart here -> why
 NO_COUNTERPART = {
     "mtp": "it drafts with the model's own multi-token-prediction layers, which accelgen does not run",
@@ -38,42 +40,42 @@ def speculative_config(text: str) -> Speculation:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"--speculative-config is not JSON: {error}") from None
+        raise InputError(f"--speculative-config is not JSON: {error}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {type(config).__name__}")
+        raise InputError(f"--speculative-config must be a JSON object, got {type(config).__name__}")
     unknown = sorted(set(config) - KNOWN_KEYS - set(ONE_VALUE_KEYS))
     if unknown:
-        raise ValueError(f"--speculative-config: {', '.join(unknown)} has no counterpart in accelgen; it takes "
+        raise InputError(f"--speculative-config: {', '.join(unknown)} has no counterpart in accelgen; it takes "
                          f"{', '.join(sorted(KNOWN_KEYS | set(ONE_VALUE_KEYS)))}")
     for name, value in ONE_VALUE_KEYS.items():
         if config.get(name, value) != value:
-            raise ValueError(f"--speculative-config {name} must be {value} here, got {config[name]!r}")
+            raise InputError(f"--speculative-config {name} must be {value} here, got {config[name]!r}")
     method, model = config.get("method"), config.get("model")
     if method is None:  # vLLM's own rule: a model and no method is a draft model ("[ngram]" is the old spelling)
         method = "ngram" if model in ("[ngram]", "ngram") else "draft_model"
     if method in NO_COUNTERPART:
-        raise ValueError(f"--speculative-config method {method!r} has no counterpart in accelgen: "
+        raise InputError(f"--speculative-config method {method!r} has no counterpart in accelgen: "
                          f"{NO_COUNTERPART[method]}; use ngram, draft_model, eagle, eagle3 or medusa")
     tokens = config.get("num_speculative_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ValueError(f"--speculative-config num_speculative_tokens must be an integer >= 1, got {tokens!r}")
+        raise InputError(f"--speculative-config num_speculative_tokens must be an integer >= 1, got {tokens!r}")
     lookup = {name: config[name] for name in ("prompt_lookup_max", "prompt_lookup_min") if name in config}
     if lookup and method != "ngram":
-        raise ValueError(f"--speculative-config: {', '.join(lookup)} belong to method ngram, not {method!r}")
+        raise InputError(f"--speculative-config: {', '.join(lookup)} belong to method ngram, not {method!r}")
     if method == "ngram":
         return ngram(tokens, lookup)
     if method == "draft_model":
         if not isinstance(model, str) or not model:
-            raise ValueError("--speculative-config method draft_model needs \"model\": the draft model's path or id")
+            raise InputError("--speculative-config method draft_model needs \"model\": the draft model's path or id")
         return Speculation("speculative", {} if tokens is None else {"gamma": tokens}, draft=model)
     if method in HEAD_METHODS:
         if not isinstance(model, str) or not model:
-            raise ValueError(f"--speculative-config method {method!r} needs \"model\": the heads' folder")
+            raise InputError(f"--speculative-config method {method!r} needs \"model\": the heads' folder")
         options = {"heads": model}
         if tokens is not None and HEAD_METHODS[method] == "eagle":  # medusa drafts as deep as its heads go
             options["depth"] = tokens
         return Speculation(HEAD_METHODS[method], options)
-    raise ValueError(f"--speculative-config method {method!r} is not one of vLLM's that accelgen serves: ngram, "
+    raise InputError(f"--speculative-config method {method!r} is not one of vLLM's that accelgen serves: ngram, "
                      "draft_model, eagle, eagle3, medusa")
 
 
@@ -84,12 +86,12 @@ def ngram(tokens: int | None, lookup: dict) -> Speculation:
         value = lookup.get(name)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--speculative-config {name} must be an integer >= 1, got {value!r}")
+                raise InputError(f"--speculative-config {name} must be an integer >= 1, got {value!r}")
             options[option] = value
     if "max_ngram" not in options and options.get("min_ngram", 0) > PLD_MAX_NGRAM:
         options["max_ngram"] = options["min_ngram"]  # pld's default maximum, raised to the minimum asked
     if options.get("min_ngram", 1) > options.get("max_ngram", PLD_MAX_NGRAM):
-        raise ValueError("--speculative-config prompt_lookup_min is over prompt_lookup_max")
+        raise InputError("--speculative-config prompt_lookup_min is over prompt_lookup_max")
     if tokens is not None:
         options["draft_length"] = tokens
     return Speculation("pld", options)
@@ -103,9 +105,9 @@ def allowed_origins(values: list[str]) -> tuple[str, ...]:
             try:
                 listed = json.loads(value)
             except json.JSONDecodeError as error:
-                raise ValueError(f"--allowed-origins is not a JSON list: {error}") from None
+                raise InputError(f"--allowed-origins is not a JSON list: {error}") from None
             if not all(isinstance(origin, str) for origin in listed):
-                raise ValueError(f"--allowed-origins must list strings, got {value}")
+                raise InputError(f"--allowed-origins must list strings, got {value}")
             origins += listed
         else:
             origins += [origin.strip() for origin in value.split(",") if origin.strip()]
@@ -119,7 +121,7 @@ def chat_template(value: str) -> str:
         return path.read_text(encoding="utf-8")
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    raise InputError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def served_model_names(values: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.skeleton.prompts import JUDGE_LETTERS, ROUTER_LETTERS, judge_prompt_ids, router_prompt_ids
 
 
@@ -25,7 +26,7 @@ def letter_token_ids(tokenizer, letters: tuple[str, ...]) -> list[int]:
     for letter in letters:
         tokens = tokenizer(letter, add_special_tokens=False).input_ids
         if len(tokens) != 1:
-            raise ValueError(f"this tokenizer spells {letter!r} in {len(tokens)} tokens; asking for a letter needs one")
+            raise InputError(f"this tokenizer spells {letter!r} in {len(tokens)} tokens; asking for a letter needs one")
         ids.extend(tokens)
     return ids
 
@@ -34,7 +35,7 @@ def letter_token_ids(tokenizer, letters: tuple[str, ...]) -> list[int]:
 def letter_probabilities(model, tokenizer, prompt_ids: list[int], letters: tuple[str, ...]) -> dict[str, float]:
     """The model's next-token probabilities of each letter after prompt_ids, renormalised over the letters."""
     if not isinstance(model, torch.nn.Module):
-        raise ValueError("asking a model for a letter needs a PyTorch model (weights fp32, bf16, int8 or int4), "
+        raise InputError("asking a model for a letter needs a PyTorch model (weights fp32, bf16, int8 or int4), "
                          "not the llama.cpp engine")
     input_ids = torch.tensor([prompt_ids], device=model.device)
     logits = model(input_ids=input_ids, logits_to_keep=1).logits[0, -1].float()  # (vocab,)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from accelgen.atomic import read_checked, write_json_atomically
+from accelgen.errors import InputError
 from accelgen.skeleton.asking import calibrated_label, content_free_bias, router_probabilities
 from accelgen.skeleton.prompts import ROUTER_PROMPT
 
@@ -38,7 +39,7 @@ def read_label_cache(path: Path, labeller: str) -> dict:
     fix = "delete it to label again"
     content = read_checked(path, lambda file: json.loads(file.read_text(encoding="utf-8")), fix)
     if content.get("labeller") != labeller or content.get("prompt") != prompt_key():
-        raise ValueError(f"{path} holds labels by {content.get('labeller')!r} with router prompt "
+        raise InputError(f"{path} holds labels by {content.get('labeller')!r} with router prompt "
                          f"{content.get('prompt')!r}, not by {labeller!r} with {prompt_key()!r}: pass another cache "
                          f"file or {fix}")
     return {"answers": content["answers"], "bias": content.get("bias"), "seconds": content.get("seconds", 0.0)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from accelgen.errors import InputError
 from accelgen.loop import generate as decode
 from accelgen.skeleton.expand import expand_points
 from accelgen.skeleton.prompts import (assemble_answer, check_question, parse_points, point_prompt_ids,
@@ -54,7 +55,7 @@ def generate(model, tokenizer, question: str, *, router=None, max_new_tokens: in
     """
     question = check_question(question)
     if max_new_tokens < 1 or skeleton_tokens < 1:
-        raise ValueError(f"max_new_tokens and skeleton_tokens must be >= 1, got {max_new_tokens} and {skeleton_tokens}")
+        raise InputError(f"max_new_tokens and skeleton_tokens must be >= 1, got {max_new_tokens} and {skeleton_tokens}")
     started = time.perf_counter()
     seconds: dict = {}
     accepted, score = None, None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from accelgen.errors import InputError
+
 # the paper asks for 3-10 points; a list of one point has nothing to expand in parallel
 MIN_POINTS, MAX_POINTS = 2, 10
 
@@ -74,7 +76,7 @@ def check_question(question) -> str:
     if not isinstance(question, str):
         raise TypeError(f"the question must be text, not {type(question).__name__}")
     if not question.strip():
-        raise ValueError("the question is empty: Skeleton-of-Thought needs a question to outline")
+        raise InputError("the question is empty: Skeleton-of-Thought needs a question to outline")
     return question.strip()
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from accelgen.errors import InputError
 from accelgen.heads.io import check_fits, load_heads, save_heads
 from accelgen.train.loop import ScaleOut, run_training, training_device
 
@@ -39,9 +40,9 @@ class RouterConfig:
 
     def __post_init__(self):
         if self.steps < 1 or self.learning_rate <= 0 or self.penalty < 0:
-            raise ValueError("steps and learning rate must be positive and the penalty non-negative")
+            raise InputError("steps and learning rate must be positive and the penalty non-negative")
         if not 0.0 < self.held_out < 1.0 or not 0.0 < self.threshold < 1.0:
-            raise ValueError(f"held_out and threshold must lie in (0, 1), got {self.held_out} and {self.threshold}")
+            raise InputError(f"held_out and threshold must lie in (0, 1), got {self.held_out} and {self.threshold}")
 
 
 class SkeletonRouter(nn.Module):
@@ -103,7 +104,7 @@ def question_features(model, tokenizer, questions: list[str],
     """(len(questions), hidden_size) float32: each question's mean final hidden state (module docstring);
     progress(questions done)."""
     if not isinstance(model, nn.Module):
-        raise ValueError("the SoT router reads the model's hidden states: load the model in a PyTorch format "
+        raise InputError("the SoT router reads the model's hidden states: load the model in a PyTorch format "
                          "(weights fp32, bf16, int8 or int4), not with the llama.cpp engine")
     rows = []
     for question in questions:
@@ -118,7 +119,7 @@ def question_features(model, tokenizer, questions: list[str],
 def held_out_split(count: int, share: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(training indices, held-out indices): a seeded shuffle of range(count), at least one of each."""
     if count < 2:
-        raise ValueError(f"the router needs at least 2 labelled questions, got {count}")
+        raise InputError(f"the router needs at least 2 labelled questions, got {count}")
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     held = min(count - 1, max(1, round(count * share)))
     return order[held:], order[:held]
@@ -133,7 +134,7 @@ def train_router(router: SkeletonRouter, features: torch.Tensor, labels: torch.T
     labels = labels.float()
     positives = float(labels.sum())
     if positives in (0.0, float(len(labels))):
-        raise ValueError(f"every training label is {int(labels[0])}: a router needs questions of both kinds")
+        raise InputError(f"every training label is {int(labels[0])}: a router needs questions of both kinds")
     torch.manual_seed(config.seed)
     device = router.feature_mean.device
     router.feature_mean.copy_(features.mean(0))

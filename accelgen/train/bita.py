@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from accelgen.errors import InputError
 from accelgen.heads.mask_tokens import MaskTokens
 from accelgen.train.mask_tokens import new_mask_tokens
 
@@ -22,7 +23,7 @@ class BitaConfig:
     def __post_init__(self):
         if min(self.count, self.steps, self.batch_size, self.cuts, self.checkpoint_every) < 1 or self.prompts < 0 \
                 or self.learning_rate <= 0:
-            raise ValueError("masks, steps, batch size, cuts, checkpoint interval and learning rate must be positive, "
+            raise InputError("masks, steps, batch size, cuts, checkpoint interval and learning rate must be positive, "
                              "and prompts not negative")
 
 

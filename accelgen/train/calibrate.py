@@ -20,6 +20,7 @@ from typing import Callable
 from scipy.stats import binom
 
 from accelgen.atomic import write_json_atomically
+from accelgen.errors import InputError
 from accelgen.exits.calm import CALIBRATION_FILE
 from accelgen.loop import generate
 from accelgen.models.loading import beside_weights
@@ -30,7 +31,7 @@ def hoeffding_bentkus_p_value(risk: float, n: int, epsilon: float) -> float:
     """p-value of the null "true risk > epsilon" given a mean loss `risk` in [0, 1] over n samples
     (Bates et al. 2021, Prop. 3.5): min(exp(−n·kl(min(risk, ε) ‖ ε)), e · P(Bin(n, ε) ≤ ⌈n·risk⌉))."""
     if not 0.0 < epsilon < 1.0:
-        raise ValueError(f"epsilon must be in (0, 1), got {epsilon}")
+        raise InputError(f"epsilon must be in (0, 1), got {epsilon}")
     low = min(risk, epsilon)
     kl = (low * math.log(low / epsilon) if low > 0 else 0.0) + (1 - low) * math.log((1 - low) / (1 - epsilon))
     hoeffding = math.exp(-n * kl)
@@ -58,7 +59,7 @@ def calibrate_calm(model, tokenizer, prompts: list[list[int]], *, measure: str, 
                    progress: Callable[[dict], None] | None = None) -> dict:
     """Learn-then-Test over generations of the calibration prompts; returns the result `save_calibration` keeps."""
     if not prompts:
-        raise ValueError("calibration needs at least one prompt")
+        raise InputError("calibration needs at least one prompt")
     thresholds = sorted(thresholds, reverse=True)
     references = [generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=0.0).token_ids for prompt in prompts]
 

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from accelgen.atomic import load_torch, torch_save_atomically
+from accelgen.errors import InputError
 
 
 def run_settings(config) -> dict:
@@ -23,11 +24,11 @@ def resume(module, optimizer, path: Path | None, settings: dict, what: str) -> i
         return 0
     saved = load_torch(path, "delete it and rerun the same command to train from the start")
     if saved.get("settings") != settings:  # (a checkpoint of an older format holds none)
-        raise ValueError(f"the {what} checkpoint in {Path(path).parent} was trained with other settings; use another --out")
+        raise InputError(f"the {what} checkpoint in {Path(path).parent} was trained with other settings; use another --out")
     try:
         module.load_state_dict(saved["module"])
     except RuntimeError as error:
-        raise ValueError(f"the {what} checkpoint in {Path(path).parent} does not fit this model: {str(error)[:200]}") from None
+        raise InputError(f"the {what} checkpoint in {Path(path).parent} does not fit this model: {str(error)[:200]}") from None
     optimizer.load_state_dict(saved["optimizer"])
     return saved["step"]
 

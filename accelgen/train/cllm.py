@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
+from accelgen.errors import InputError
 from accelgen.train.checkpoints import run_settings
 from accelgen.train.loop import Checkpointing, ScaleOut, is_main_process, run_training, step_generator
 from accelgen.train.trajectories import (
@@ -59,9 +60,9 @@ class CllmConfig:
 
     def __post_init__(self):
         if min(self.steps, self.batch_size, self.context_len, self.checkpoint_every) < 1:
-            raise ValueError("steps, batch size, context length and checkpoint interval must be positive")
+            raise InputError("steps, batch size, context length and checkpoint interval must be positive")
         if self.ar_weight < 0 or self.learning_rate <= 0:
-            raise ValueError("the AR weight must be >= 0 and the learning rate positive")
+            raise InputError("the AR weight must be >= 0 and the learning rate positive")
 
 
 # --- the identity of what a run tunes --------------------------------------------------------------------------
@@ -83,9 +84,9 @@ def check_base(out_dir: Path, identity: dict) -> None:
     try:
         saved = json.loads(path.read_text())
     except (ValueError, OSError) as error:
-        raise ValueError(f"{path} is unreadable ({error}); delete it or use another --out") from None
+        raise InputError(f"{path} is unreadable ({error}); delete it or use another --out") from None
     if saved.get("base_fingerprint") != identity["base_fingerprint"]:
-        raise ValueError(f"{out_dir} holds a CLLM run tuned from {saved.get('base_model')!r} (fingerprint "
+        raise InputError(f"{out_dir} holds a CLLM run tuned from {saved.get('base_model')!r} (fingerprint "
                          f"{saved.get('base_fingerprint')}), not from {identity['base_model']!r} (fingerprint "
                          f"{identity['base_fingerprint']}); use another --out")
 
@@ -247,7 +248,7 @@ def train_cllm(model, tokenizer, trajectories: list[Trajectory], config: CllmCon
     out_dir = Path(out_dir)
     data = usable(trajectories)
     if not data:
-        raise ValueError("no trajectory has a noisy state to train on; collect more (more prompts or a larger block)")
+        raise InputError("no trajectory has a noisy state to train on; collect more (more prompts or a larger block)")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
 
@@ -348,11 +349,11 @@ def bench_drift(original_dir: Path, tuned_dir: Path, method: str = "autoregressi
     for side, folder in (("original", original_dir), ("tuned", tuned_dir)):
         records = [r for r in read_jsonl(Path(folder) / "records.jsonl") if r["method"] == method]
         if not records:
-            raise ValueError(f"{folder} has no {method!r} rows to compare")
+            raise InputError(f"{folder} has no {method!r} rows to compare")
         rows[side] = {r["prompt_id"]: r["token_ids"] for r in records}
     shared = [p for p in rows["original"] if p in rows["tuned"]]
     if not shared:
-        raise ValueError(f"{original_dir} and {tuned_dir} share no prompt")
+        raise InputError(f"{original_dir} and {tuned_dir} share no prompt")
     prompts, same, compared = [], 0, 0
     for prompt in shared:
         a, b = rows["original"][prompt], rows["tuned"][prompt]

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from accelgen.atomic import save_figure_atomically, write_json_atomically
+from accelgen.errors import InputError
 
 CURVE_JSON, CURVE_PNG = "curve.json", "curve.png"
 TAU_PROMPTS, TAU_PROMPT_TOKENS, TAU_NEW_TOKENS = 2, 48, 24  # held-out windows' beginnings, and tokens generated
@@ -73,7 +74,7 @@ class CurveRecorder:
         """accuracy(head) -> held-out top-1 per depth; tau(head) -> measured tokens per target forward;
         resumed_from: the folder of the head this run goes on training (None: a new head)."""
         if every < 1:
-            raise ValueError(f"--eval-every must be >= 1, got {every}")
+            raise InputError(f"--eval-every must be >= 1, got {every}")
         self.path = Path(out) / CURVE_JSON
         self.every, self.tokens_per_step, self.label = every, tokens_per_step, label
         self.accuracy, self.tau = accuracy, tau

@@ -40,6 +40,7 @@ import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
 from accelgen.drafters.distillspec import DISTILLSPEC_FILE, model_fingerprint
+from accelgen.errors import InputError
 from accelgen.loop import generate
 from accelgen.train.loop import ScaleOut, run_training, training_device
 
@@ -51,7 +52,7 @@ DIVERGENCES = ("tvd", "fkl", "rkl")
 
 def check_divergence(name: str) -> None:
     if name not in DIVERGENCES:
-        raise ValueError(f"unknown divergence {name!r}; choose one of {', '.join(DIVERGENCES)} "
+        raise InputError(f"unknown divergence {name!r}; choose one of {', '.join(DIVERGENCES)} "
                          "(tvd: total variation, fkl: KL(target ‖ draft), rkl: KL(draft ‖ target))")
 
 
@@ -108,12 +109,12 @@ def trainable_parameters(model, layers: int | None = None) -> list[torch.nn.Para
     """The parameters distillation trains: the last `layers` decoder layers (all when None) and the final norm."""
     decoder = model.model.layers
     if layers is not None and not 1 <= layers <= len(decoder):
-        raise ValueError(f"train_layers must be between 1 and the draft's {len(decoder)} layers, got {layers}")
+        raise InputError(f"train_layers must be between 1 and the draft's {len(decoder)} layers, got {layers}")
     chosen = decoder if layers is None else decoder[len(decoder) - layers :]
     parameters = [p for layer in chosen for p in layer.parameters()] + list(model.model.norm.parameters())
     wrong = {p.dtype for p in parameters} - {torch.float32}
     if wrong:
-        raise ValueError(f"the draft's weights are {sorted(map(str, wrong))}: distillation trains them in float32 "
+        raise InputError(f"the draft's weights are {sorted(map(str, wrong))}: distillation trains them in float32 "
                          "(load the draft with dtype float32; CLI: --draft-dtype float32)")
     return parameters
 
@@ -139,7 +140,7 @@ def distillation_step(draft_model, optimizer: torch.optim.Optimizer, parameters:
     (before the step). One sequence at a time goes through forward and backward, so memory holds one."""
     total = sum(len(example.positions) for example in examples)
     if total == 0:
-        raise ValueError("nothing to distill: the examples have no positions")
+        raise InputError("nothing to distill: the examples have no positions")
     loss = 0.0
     with training_only(draft_model, parameters):
         for example in examples:
@@ -192,9 +193,9 @@ def distill(target_model, draft_model, tokenizer, prompts: list[list[int]], *, s
     check_divergence(divergence_name)
     for name, value in (("steps", steps), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise InputError(f"{name} must be >= 1, got {value}")
     if not prompts:
-        raise ValueError("no training prompts")
+        raise InputError("no training prompts")
     parameters = trainable_parameters(draft_model, train_layers)
     optimizer = torch.optim.AdamW(parameters, lr=learning_rate)
     target_model.to(training_device(scale))
@@ -279,14 +280,14 @@ def distillation_prompts(dataset: str, tokenizer, count: int, held_out: int) -> 
     from accelgen.datasets import load_dataset, prompt_token_ids
 
     if count < 1 or held_out < 1:
-        raise ValueError(f"need at least one training and one held-out prompt, got {count} and {held_out}")
+        raise InputError(f"need at least one training and one held-out prompt, got {count} and {held_out}")
     if dataset == "sharegpt":
         held, training = load_dataset("sharegpt", limit=held_out), sharegpt_training_prompts(count)
     else:
         prompts = load_dataset(dataset)
         held, training = prompts[:held_out], prompts[held_out : held_out + count]
     if len(held) < held_out or not training:
-        raise ValueError(f"dataset {dataset!r} gave {len(held)} held-out and {len(training)} training prompts; "
+        raise InputError(f"dataset {dataset!r} gave {len(held)} held-out and {len(training)} training prompts; "
                          f"--held-out {held_out} and at least one to train on are needed")
     return ([prompt_token_ids(tokenizer, p) for p in training], [prompt_token_ids(tokenizer, p) for p in held])
 

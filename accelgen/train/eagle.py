@@ -1,4 +1,4 @@
-"""Training an EAGLE head (heads/eagle.py) on this CPU, with the target frozen.
+"""Training an EAGLE head (heads/eagle.py), with the target frozen.
 
 `accelgen train eagle` works in three stages:
 
@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from accelgen import cache as kv
+from accelgen.errors import InputError
 from accelgen.heads.eagle import EagleHead, new_head
 from accelgen.heads.eagle3 import Eagle3Head, default_target_layers, new_eagle3_head
 from accelgen.heads.lm_head import DraftLMHead, draft_vocabulary
@@ -103,16 +104,16 @@ class EagleConfig:
 
     def __post_init__(self):
         if min(self.steps, self.batch_size, self.ce_positions, self.checkpoint_every) < 1 or self.learning_rate <= 0:
-            raise ValueError("steps, batch size, cross-entropy positions, checkpoint interval and learning rate "
+            raise InputError("steps, batch size, cross-entropy positions, checkpoint interval and learning rate "
                              "must be positive")
         if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+            raise InputError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.recipe not in ("eagle1", "eagle3"):
-            raise ValueError(f"recipe must be one of eagle1, eagle3, got {self.recipe!r}")
+            raise InputError(f"recipe must be one of eagle1, eagle3, got {self.recipe!r}")
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise InputError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.ttt_steps < 1 or not 0 < self.ttt_decay <= 1:
-            raise ValueError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], got {self.ttt_steps}, {self.ttt_decay}")
+            raise InputError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], got {self.ttt_steps}, {self.ttt_decay}")
 
 
 def target_layers_for(model) -> tuple[int, int, int]:
@@ -239,9 +240,9 @@ def load_start_head(folder, model, config: EagleConfig):
     head = EagleHead.load(folder)
     check_fits(head.describe_shape(), model, f"the head in {folder} (trained for {head.base_model or 'another model'})")
     if head.recipe != config.recipe:
-        raise ValueError(f"the head in {folder} is an {head.recipe} head; resume it with --recipe {head.recipe}")
+        raise InputError(f"the head in {folder} is an {head.recipe} head; resume it with --recipe {head.recipe}")
     if head.target_layers is not None and tuple(head.target_layers) != target_layers_for(model):
-        raise ValueError(f"the head in {folder} reads layers {list(head.target_layers)}, this trainer's features "
+        raise InputError(f"the head in {folder} reads layers {list(head.target_layers)}, this trainer's features "
                          f"are layers {list(target_layers_for(model))}")
     return head.float().train()
 
@@ -272,7 +273,7 @@ def train_eagle3(model, windows: torch.Tensor, states: torch.Tensor, choices: to
     at target_layers_for(model)); the loss is ttt_loss."""
     width = 3 * model.config.hidden_size
     if states.shape[-1] != width:
-        raise ValueError(f"EAGLE-3 trains on three layers' states side by side ({width} wide), got {states.shape[-1]}: "
+        raise InputError(f"EAGLE-3 trains on three layers' states side by side ({width} wide), got {states.shape[-1]}: "
                          f"collect them with collect_layer_states")
     if start_head is not None:
         head = start_head

@@ -32,6 +32,7 @@ from typing import Callable, Iterable
 import torch
 
 from accelgen.atomic import save_pretrained_atomically, write_json_atomically
+from accelgen.errors import InputError
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
 from accelgen.train.checkpoints import checkpoint_due, run_settings
 from accelgen.train.loop import Checkpointing, ScaleOut, run_training, step_generator
@@ -55,11 +56,11 @@ class LayerSkipConfig:
 
     def __post_init__(self):
         if self.curriculum not in CURRICULA:
-            raise ValueError(f"curriculum must be one of {', '.join(CURRICULA)}, not {self.curriculum!r}")
+            raise InputError(f"curriculum must be one of {', '.join(CURRICULA)}, not {self.curriculum!r}")
         if min(self.steps, self.batch_size, self.seq_len, self.rotation, self.checkpoint_every) < 1:
-            raise ValueError("steps, batch size, sequence length, rotation and checkpoint interval must be positive")
+            raise InputError("steps, batch size, sequence length, rotation and checkpoint interval must be positive")
         if not 0.0 <= self.p_max < 1.0:
-            raise ValueError(f"p_max must be in [0, 1), got {self.p_max}")
+            raise InputError(f"p_max must be in [0, 1), got {self.p_max}")
 
 
 def layer_dropout_rates(layer_count: int, p_max: float) -> list[float]:
@@ -93,7 +94,7 @@ def packed_windows(tokenizer, texts: Iterable[str], seq_len: int, count: int) ->
         if len(stream) >= needed:
             break
     if len(stream) < seq_len:
-        raise ValueError(f"the dataset gave {len(stream)} tokens, fewer than one window of {seq_len}")
+        raise InputError(f"the dataset gave {len(stream)} tokens, fewer than one window of {seq_len}")
     usable = len(stream) // seq_len * seq_len
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, seq_len)[:count]
 

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.train.checkpoints import resume, save_checkpoint
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -56,11 +57,11 @@ class ScaleOut:
 
     def __post_init__(self):
         if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISION)}")
+            raise InputError(f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISION)}")
         if self.grad_accum < 1:
-            raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+            raise InputError(f"--grad-accum must be >= 1, got {self.grad_accum}")
         if self.max_minutes < 0:
-            raise ValueError(f"--max-minutes must be >= 0, got {self.max_minutes}")
+            raise InputError(f"--max-minutes must be >= 0, got {self.max_minutes}")
 
 
 @dataclass
@@ -104,7 +105,7 @@ def accelerator_for(scale: ScaleOut | None = None):
 
     precision = (scale or ScaleOut()).mixed_precision
     if precision == "fp16" and not torch.cuda.is_available():
-        raise ValueError("--mixed-precision fp16 needs a GPU (and a gradient scaler); on a CPU use bf16 or no")
+        raise InputError("--mixed-precision fp16 needs a GPU (and a gradient scaler); on a CPU use bf16 or no")
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != precision and launched_processes() == 1:
         AcceleratorState._reset_state()  # one process, one trainer at a time: nothing else shares the state
@@ -144,7 +145,7 @@ def micro_batches(batch: dict, count: int) -> list[dict]:
 def batch_rows(batch: dict) -> int:
     sizes = {len(tensor) for tensor in batch.values()}
     if len(sizes) != 1:
-        raise ValueError(f"a batch's tensors must have the same number of rows, got {sorted(sizes)}")
+        raise InputError(f"a batch's tensors must have the same number of rows, got {sorted(sizes)}")
     return sizes.pop()
 
 
@@ -204,7 +205,7 @@ def run_training(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step
         batch = draw(step)
         rows = batch_rows(batch)
         if rows < processes * scale.grad_accum:
-            raise ValueError(f"a step's batch of {rows} rows cannot be split among {processes} processes × "
+            raise InputError(f"a step's batch of {rows} rows cannot be split among {processes} processes × "
                              f"{scale.grad_accum} micro-batches: raise the batch size or lower --grad-accum")
         share = process_share(batch, process, processes)
         own_rows = batch_rows(share)

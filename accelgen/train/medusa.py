@@ -1,4 +1,4 @@
-"""Training Medusa heads (heads/medusa.py) on this CPU, with the base model frozen. Only the residual blocks
+"""Training Medusa heads (heads/medusa.py), with the base model frozen. Only the residual blocks
 train, d² weights per head; the LM head they share is the target's, frozen.
 
 `accelgen train medusa` works in two stages:
@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.heads.lm_head import draft_vocabulary
 from accelgen.heads.medusa import MedusaHeads
 from accelgen.train.checkpoints import run_settings
@@ -39,7 +40,7 @@ def head_targets(choices: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch
     count, length = choices.shape
     usable = length - heads
     if usable < 1:
-        raise ValueError(f"windows of {length} tokens are too short for {heads} heads")
+        raise InputError(f"windows of {length} tokens are too short for {heads} heads")
     positions = torch.stack(torch.meshgrid(torch.arange(count), torch.arange(usable), indexing="ij"), dim=-1).reshape(-1, 2)
     targets = choices[positions[:, :1], positions[:, 1:] + torch.arange(1, heads + 1)[None]]
     return positions, targets
@@ -58,9 +59,9 @@ class MedusaConfig:
 
     def __post_init__(self):
         if min(self.heads, self.steps, self.batch_size, self.checkpoint_every) < 1 or self.learning_rate <= 0:
-            raise ValueError("heads, steps, batch size, checkpoint interval and learning rate must be positive")
+            raise InputError("heads, steps, batch size, checkpoint interval and learning rate must be positive")
         if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+            raise InputError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
 
 
 def train_medusa(model, windows: torch.Tensor, features: torch.Tensor, choices: torch.Tensor, config: MedusaConfig,

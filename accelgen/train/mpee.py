@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from accelgen.errors import InputError
 from accelgen.heads.mpee import MpeeHeads
 from accelgen.models.layouts import Decoder
 from accelgen.train.checkpoints import run_settings
@@ -46,7 +47,7 @@ class MpeeConfig:
 
     def __post_init__(self):
         if min(self.rank, self.steps, self.batch_size, self.checkpoint_every) < 1 or self.learning_rate <= 0:
-            raise ValueError("rank, steps, batch size, checkpoint interval and learning rate must be positive")
+            raise InputError("rank, steps, batch size, checkpoint interval and learning rate must be positive")
 
 
 def distillation_weights(count: int) -> list[float]:

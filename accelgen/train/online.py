@@ -44,6 +44,7 @@ from accelgen.atomic import save_figure_atomically
 from accelgen.draft import Draft, Verdict
 from accelgen.drafters.base import BuildContext
 from accelgen.drafters.draft_model import DraftingOptions, DraftModelDrafter, scheduled_draft_model_drafter
+from accelgen.errors import InputError
 from accelgen.loop import generate
 from accelgen.registry import MethodOptions, MethodSpec, Part, register
 from accelgen.train.distill import Example, check_divergence, distillation_step, trainable_parameters
@@ -98,14 +99,14 @@ class OnlineLearner:
     def bind(self, draft_model, train_layers: int | None) -> None:
         """Train this draft model (the first one given; any other is an error), float32, its last train_layers."""
         if not isinstance(draft_model, torch.nn.Module):
-            raise ValueError("online trains its draft model: pass a model, not a runner")
+            raise InputError("online trains its draft model: pass a model, not a runner")
         if self.draft_model is None:
             self.parameters = trainable_parameters(draft_model, train_layers)
             self.draft_model, self.train_layers = draft_model, train_layers
         elif draft_model is not self.draft_model:
-            raise ValueError("this OnlineLearner trains another draft model: use one learner per draft model")
+            raise InputError("this OnlineLearner trains another draft model: use one learner per draft model")
         elif train_layers != self.train_layers:
-            raise ValueError(f"this OnlineLearner trains train_layers={self.train_layers}, not {train_layers}")
+            raise InputError(f"this OnlineLearner trains train_layers={self.train_layers}, not {train_layers}")
 
     def record(self, rejections: Rejections, tokens: list[int], target_logits: torch.Tensor, top_k: int,
                buffer_size: int) -> None:
@@ -152,12 +153,12 @@ class OnlineDrafter(DraftModelDrafter):
         for name, value in (("interval", interval), ("buffer_size", buffer_size), ("update_steps", update_steps),
                             ("target_top_k", target_top_k)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(learning_rate, (int, float)) or learning_rate <= 0:
-            raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+            raise InputError(f"learning_rate must be a number > 0, got {learning_rate!r}")
         check_divergence(divergence)
         if not isinstance(learner, OnlineLearner):
-            raise ValueError(f"learner must be an OnlineLearner, not {type(learner).__name__}")
+            raise InputError(f"learner must be an OnlineLearner, not {type(learner).__name__}")
         super().__init__(draft_model, sampling, generator, **draft_options)
         learner.bind(draft_model, train_layers)
         self.learner = learner

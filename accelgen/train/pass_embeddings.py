@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from accelgen import cache as kv
+from accelgen.errors import InputError
 from accelgen.heads.pass_embeddings import LookaheadEmbeddings
 from accelgen.models.layerwise import llama_decoder
 from accelgen.models.block import blocking_mask
@@ -54,7 +55,7 @@ def random_cuts(length: int, count: int, cuts: int, generator: torch.Generator, 
     """(c,) distinct sorted positions t with room for k slots whose labels lie inside the window."""
     last = length - count - 1  # slot k-1 at t + k needs the target's choice at t + k <= length - 1
     if last < min_context:
-        raise ValueError(f"windows of {length} tokens are too short for {count} look-ahead slots")
+        raise InputError(f"windows of {length} tokens are too short for {count} look-ahead slots")
     picked = torch.randperm(last - min_context + 1, generator=generator)[:cuts] + min_context
     return picked.sort().values
 
@@ -91,7 +92,7 @@ class PassConfig:
 
     def __post_init__(self):
         if min(self.count, self.steps, self.batch_size, self.cuts) < 1 or self.learning_rate <= 0:
-            raise ValueError("look-ahead slots, steps, batch size, cuts and learning rate must be positive")
+            raise InputError("look-ahead slots, steps, batch size, cuts and learning rate must be positive")
 
 
 def train_pass(model, windows: torch.Tensor, config: PassConfig, seed: int = 0,

@@ -31,6 +31,7 @@ from typing import Callable
 from accelgen.atomic import write_atomically, write_json_atomically
 from accelgen.datasets import PROMPT_FORMATS, Prompt, prompt_token_ids
 from accelgen.datasets.regenerated import FORMAT, MANIFEST, VERSION, read_manifest, read_records
+from accelgen.errors import InputError
 
 
 
@@ -53,11 +54,11 @@ class RegenerateSettings:
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1]; got {self.temperature}, {self.top_p}")
+            raise InputError(f"temperature must be >= 0 and top_p in (0, 1]; got {self.temperature}, {self.top_p}")
         if min(self.max_new_tokens, self.shard_prompts, self.batch_size) < 1:
-            raise ValueError("max_new_tokens, shard_prompts and batch_size must be >= 1")
+            raise InputError("max_new_tokens, shard_prompts and batch_size must be >= 1")
         if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"unknown prompt format {self.prompt_format!r}; choose one of {PROMPT_FORMATS}")
+            raise InputError(f"unknown prompt format {self.prompt_format!r}; choose one of {PROMPT_FORMATS}")
 
 
 def shard_name(index: int) -> str:
@@ -85,7 +86,7 @@ def opened_manifest(folder, settings: RegenerateSettings) -> dict:
     differing = [f"{key}: {manifest['settings'].get(key)!r} there vs {value!r} now"
                  for key, value in wanted.items() if manifest["settings"].get(key) != value]
     if differing:
-        raise ValueError(f"{folder} holds answers made with other settings ({'; '.join(differing)}); resume with "
+        raise InputError(f"{folder} holds answers made with other settings ({'; '.join(differing)}); resume with "
                          "its settings, or choose another --out")
     return manifest
 
@@ -99,7 +100,7 @@ def check_done_shards(folder, manifest: dict, chunks: list[list[Prompt]]) -> Non
             same = [record["id"] for record in read_records(Path(folder) / entry["file"])][: len(chunk)] == \
                 [prompt.id for prompt in chunk]
         if not same:
-            raise ValueError(f"{folder}: the prompts of {entry['file']} are not this run's (another dataset or "
+            raise InputError(f"{folder}: the prompts of {entry['file']} are not this run's (another dataset or "
                              "file); choose another --out")
 
 

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from accelgen.atomic import load_tensors, save_tensors_atomically, write_json_atomically
+from accelgen.errors import InputError
 
 INDEX = "index.json"
 STORE_VERSION = 1
@@ -58,7 +59,7 @@ class FeatureStore:
     def __post_init__(self):
         self.folder = Path(self.folder)
         if self.shard_windows < 1:
-            raise ValueError(f"shard_windows must be >= 1, got {self.shard_windows}")
+            raise InputError(f"shard_windows must be >= 1, got {self.shard_windows}")
         self.identity = json.loads(json.dumps(self.identity))  # as it reads back from the index
         self.shards: list[dict] = self._indexed_shards()
 
@@ -73,14 +74,14 @@ class FeatureStore:
             index = json.loads(path.read_text(encoding="utf-8"))
             saved_identity, shard_windows, shards = index["identity"], index["shard_windows"], index["shards"]
         except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{path} is not a feature store index ({error}); delete {self.folder} or choose another "
+            raise InputError(f"{path} is not a feature store index ({error}); delete {self.folder} or choose another "
                              "folder") from None
         if saved_identity != self.identity:
             difference = identity_difference(saved_identity, self.identity)
-            raise ValueError(f"{self.folder} holds features of another run ({difference}); delete it or choose "
+            raise InputError(f"{self.folder} holds features of another run ({difference}); delete it or choose "
                              "another folder for this run's features")
         if shard_windows != self.shard_windows:
-            raise ValueError(f"{self.folder} was written in shards of {shard_windows} windows, this run asks for "
+            raise InputError(f"{self.folder} was written in shards of {shard_windows} windows, this run asks for "
                              f"{self.shard_windows}")
         return shards
 
@@ -117,7 +118,7 @@ class FeatureStore:
                 held = load_tensors(self.folder / entry["file"], f"delete {self.folder} and run again")["windows"]
                 same = torch.equal(held[: end - start], windows[start:end])
             if not same:
-                raise ValueError(f"{self.folder}: windows {start}..{end - 1} differ from those its features were "
+                raise InputError(f"{self.folder}: windows {start}..{end - 1} differ from those its features were "
                                  "computed over (another dataset, tokenizer or --seq-len); delete it or choose another "
                                  "folder")
 
@@ -150,18 +151,18 @@ class FeatureStore:
         """The first count windows' tensors (default: all held), each concatenated over the shards, with "windows"."""
         count = self.windows_held if count is None else count
         if count > self.windows_held:
-            raise ValueError(f"{self.folder} holds features of {self.windows_held} windows, not {count}: fill it first")
+            raise InputError(f"{self.folder} holds features of {self.windows_held} windows, not {count}: fill it first")
         parts: dict[str, list[torch.Tensor]] = {}
         for entry in self.shards:
             if entry["start"] >= count:
                 break
             path = self.folder / entry["file"]
             if not path.is_file():
-                raise ValueError(f"{path} is missing though {self.folder / INDEX} lists it; delete {self.folder} and "
+                raise InputError(f"{path} is missing though {self.folder / INDEX} lists it; delete {self.folder} and "
                                  "run again")
             tensors = load_tensors(path, f"delete {self.folder} and run again")
             if windows_digest(tensors["windows"]) != entry["windows_sha1"]:
-                raise ValueError(f"{path} does not hold the windows {self.folder / INDEX} says; delete {self.folder} "
+                raise InputError(f"{path} does not hold the windows {self.folder / INDEX} says; delete {self.folder} "
                                  "and run again")
             for name, tensor in tensors.items():
                 parts.setdefault(name, []).append(tensor[: count - entry["start"]])
@@ -170,10 +171,10 @@ class FeatureStore:
 
 def check_extracted(tensors: dict, count: int) -> None:
     if not isinstance(tensors, dict) or not tensors or "windows" in tensors:
-        raise ValueError("an extractor returns a non-empty dict of named tensors (not named 'windows')")
+        raise InputError("an extractor returns a non-empty dict of named tensors (not named 'windows')")
     wrong = [name for name, tensor in tensors.items() if not isinstance(tensor, torch.Tensor) or len(tensor) != count]
     if wrong:
-        raise ValueError(f"extracted tensors {wrong} do not have one row per window ({count})")
+        raise InputError(f"extracted tensors {wrong} do not have one row per window ({count})")
 
 
 def identity_difference(saved: dict, wanted: dict) -> str:
@@ -191,7 +192,7 @@ def stored_features(folder, identity: dict, windows: torch.Tensor, extract: Extr
     store.fill(windows, extract, progress)
     tensors = store.load(len(windows))
     if not torch.equal(tensors.pop("windows"), windows):
-        raise ValueError(f"{folder}: its windows are not this run's; delete it and run again")
+        raise InputError(f"{folder}: its windows are not this run's; delete it and run again")
     return tensors
 
 

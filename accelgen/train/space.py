@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from accelgen.errors import InputError
 from accelgen.heads.mask_tokens import MaskTokens
 from accelgen.train.mask_tokens import new_mask_tokens
 
@@ -21,13 +22,13 @@ class SpaceConfig:
     batch_size: int = field(default=2, metadata={"help": "Windows per step."})
     cuts: int = field(default=16, metadata={"help": "Positions per window a group of masks hangs from."})
     learning_rate: float = 3e-3
-    lora_learning_rate: float = 1e-3
+    lora_learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the mask-position LoRA."})
     checkpoint_every: int = 50
 
     def __post_init__(self):
         if min(self.count, self.rank, self.steps, self.batch_size, self.cuts, self.checkpoint_every) < 1 \
                 or self.learning_rate <= 0 or self.lora_learning_rate <= 0 or self.alpha <= 0:
-            raise ValueError("masks, rank, alpha, steps, batch size, cuts, checkpoint interval and learning rates "
+            raise InputError("masks, rank, alpha, steps, batch size, cuts, checkpoint interval and learning rates "
                              "must be positive")
 
 

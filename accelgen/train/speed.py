@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from accelgen.errors import InputError
 from accelgen.models import shared_cycle
 from accelgen.models.layerwise import exit_logits, layer_outputs, llama_decoder
 from accelgen.train.checkpoints import run_settings
@@ -40,9 +41,9 @@ class SpeedModelConfig:
     warmup: int = field(default=20, metadata={"help": "Steps of linear learning-rate warm-up."})
     cycle: int = field(default=4, metadata={"help": "Distinct decoder layers."})
     repeats: int = field(default=3, metadata={"help": "Times the cycle of layers is run per token."})
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    heads: int = 4
+    hidden_size: int = field(default=256, metadata={"help": "Width of the model."})
+    intermediate_size: int = field(default=768, metadata={"help": "Width of each layer's MLP."})
+    heads: int = field(default=4, metadata={"help": "Attention heads per layer."})
     exit_weight: float = field(default=0.5, metadata={"help": "Weight of the first repeat's exit loss (SPEED's guesses)."})
     checkpoint_every: int = 25
     seed: int = 0
@@ -50,14 +51,14 @@ class SpeedModelConfig:
     def __post_init__(self):
         if min(self.steps, self.batch_size, self.seq_len, self.cycle, self.hidden_size, self.intermediate_size,
                self.heads, self.checkpoint_every) < 1:
-            raise ValueError("steps, batch size, sequence length, cycle, sizes, heads and checkpoint interval must be "
+            raise InputError("steps, batch size, sequence length, cycle, sizes, heads and checkpoint interval must be "
                              "positive")
         if self.repeats < 2:
-            raise ValueError(f"repeats must be >= 2 (SPEED pipelines the repeats), got {self.repeats}")
+            raise InputError(f"repeats must be >= 2 (SPEED pipelines the repeats), got {self.repeats}")
         if self.hidden_size % self.heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of heads {self.heads}")
+            raise InputError(f"hidden_size {self.hidden_size} is not a multiple of heads {self.heads}")
         if self.exit_weight < 0 or self.learning_rate <= 0 or self.warmup < 0:
-            raise ValueError("exit_weight and warmup must be >= 0, learning_rate > 0")
+            raise InputError("exit_weight and warmup must be >= 0, learning_rate > 0")
 
 
 def new_model(vocab_size: int, config: SpeedModelConfig):

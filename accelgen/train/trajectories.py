@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from accelgen.atomic import load_torch, torch_save_atomically
+from accelgen.errors import InputError
 from accelgen.models.batch import batched_forward
 from accelgen.models.runner import ModelRunner
 
@@ -61,7 +62,7 @@ class CollectionSettings:
 
     def __post_init__(self):
         if min(self.block_size, self.blocks_per_prompt, self.prompts_per_shard) < 1:
-            raise ValueError("block size, blocks per prompt and prompts per shard must be positive")
+            raise InputError("block size, blocks per prompt and prompts per shard must be positive")
 
 
 def random_start(context: list[int], size: int, generator: torch.Generator) -> torch.Tensor:
@@ -98,7 +99,7 @@ def collect_trajectories(model, prompts: list[list[int]], settings: CollectionSe
     jobs = []
     for prompt in prompts:
         if len(prompt) < 1:
-            raise ValueError("a prompt needs at least one token")
+            raise InputError("a prompt needs at least one token")
         runner = ModelRunner(model)
         if len(prompt) > 1:
             runner.forward(torch.tensor(prompt[:-1]), logits_for_last=1)
@@ -143,11 +144,11 @@ def load_shard(path: Path, identity: dict) -> list[Trajectory] | None:
         return None
     saved = load_torch(path, "delete it and rerun to collect it again")
     if saved["identity"]["model_fingerprint"] != identity["model_fingerprint"]:
-        raise ValueError(f"{path} holds Jacobi trajectories collected by another model (fingerprint "
+        raise InputError(f"{path} holds Jacobi trajectories collected by another model (fingerprint "
                          f"{saved['identity']['model_fingerprint']}, this model's {identity['model_fingerprint']}); "
                          "use another --out")
     if saved["identity"] != identity:
-        raise ValueError(f"{path} holds Jacobi trajectories collected with other settings or prompts; use another --out")
+        raise InputError(f"{path} holds Jacobi trajectories collected with other settings or prompts; use another --out")
     return [Trajectory(prompt, context, states) for prompt, context, states in saved["trajectories"]]
 
 
@@ -189,7 +190,7 @@ def training_prompts(tokenizer, sources: list[str], count: int, skip_humaneval: 
         elif source.startswith("jsonl:"):  # the benchmark's format: {"prompt": text} or {"turns": [...]} per line
             pools.append(iter(load_dataset(source)))
         else:
-            raise ValueError(f"unknown prompt source {source!r}; use {', '.join(PROMPT_SOURCES)}")
+            raise InputError(f"unknown prompt source {source!r}; use {', '.join(PROMPT_SOURCES)}")
     prompts: list[list[int]] = []
     while pools and len(prompts) < count:
         for pool in list(pools):
@@ -199,5 +200,5 @@ def training_prompts(tokenizer, sources: list[str], count: int, skip_humaneval: 
             elif len(prompts) < count:
                 prompts.append(prompt_token_ids(tokenizer, prompt))
     if len(prompts) < count:
-        raise ValueError(f"the prompt sources gave {len(prompts)} prompts, fewer than the {count} asked for")
+        raise InputError(f"the prompt sources gave {len(prompts)} prompts, fewer than the {count} asked for")
     return prompts

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import Draft, Verdict, to_device
+from accelgen.errors import InputError
 
 
 def rollback_distances(target_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def verify_bild(draft: Draft, target_logits: torch.Tensor, rollback_threshold: f
     """BiLD's rollback rule on a chain draft; target_logits: (n+1, vocab), row i at the position of node i,
     row n after the last drafted token."""
     if not draft.is_chain:
-        raise ValueError("BiLD verification needs a chain draft, not a tree")
+        raise InputError("BiLD verification needs a chain draft, not a tree")
     n = len(draft)
     tokens = to_device(draft.tokens, target_logits.device)
     target_choice = target_logits.argmax(dim=-1)  # (n+1,)

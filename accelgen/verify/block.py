@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import Draft, Verdict, to_device
+from accelgen.errors import InputError
 from accelgen.sampling import draw, uniforms
 from accelgen.verify.sampling import draft_distributions
 
@@ -35,7 +36,7 @@ def verify_block(draft: Draft, target_probs: torch.Tensor, generator: torch.Gene
     the last draft token (already temperature/top-k/top-p).
     """
     if not draft.is_chain:
-        raise ValueError("block verification needs a chain draft, not a tree")
+        raise InputError("block verification needs a chain draft, not a tree")
     g = len(draft)
     device = target_probs.device
     tokens = to_device(draft.tokens, device)  # (g,)

@@ -26,13 +26,14 @@ import math
 import torch
 
 from accelgen.draft import Draft, Verdict
+from accelgen.errors import InputError
 
 
 def check_contrastive_options(alpha, beta) -> None:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
-        raise ValueError(f"contrastive: alpha (amateur weight) must be a number >= 0, got {alpha!r}")
+        raise InputError(f"contrastive: alpha (amateur weight) must be a number >= 0, got {alpha!r}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
-        raise ValueError(f"contrastive: beta (plausibility cut-off) must be a number in [0, 1], got {beta!r}")
+        raise InputError(f"contrastive: beta (plausibility cut-off) must be a number in [0, 1], got {beta!r}")
 
 
 def contrastive_scores(target_logits: torch.Tensor, draft_probs: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
@@ -54,12 +55,12 @@ def verify_contrastive(draft: Draft, target_logits: torch.Tensor, alpha: float, 
     target_logits: (n+1, vocab), row i at the position of node i, row n after the last drafted token.
     """
     if not draft.is_chain:
-        raise ValueError("contrastive verification needs a chain draft, not a tree")
+        raise InputError("contrastive verification needs a chain draft, not a tree")
     n = len(draft)
     if n == 0:  # no amateur view of this position: the expert decides
         return Verdict([], int(target_logits[0].argmax()))
     if draft.draft_probs is None:
-        raise ValueError("contrastive verification needs the amateur's distributions (draft_probs)")
+        raise InputError("contrastive verification needs the amateur's distributions (draft_probs)")
     choice = contrastive_scores(target_logits[:n], draft.draft_probs, alpha, beta).argmax(dim=-1).tolist()  # (n,)
     tokens = draft.tokens.tolist()
     for i in range(n):

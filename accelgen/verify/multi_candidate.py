@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import Draft, Verdict, children, to_device
+from accelgen.errors import InputError
 from accelgen.verify.sampling import verify_speculative_sampling
 
 
@@ -33,14 +34,14 @@ def without_replacement_rows(draft: Draft) -> torch.Tensor:
     always keeps some mass).
     """
     if draft.draft_probs is None:
-        raise ValueError("verification without replacement needs the draft distributions (draft_probs)")
+        raise InputError("verification without replacement needs the draft distributions (draft_probs)")
     tokens = draft.tokens.tolist()  # host-built: the draft's own tokens
     removed_rows, removed_tokens = [], []  # (child, token of an earlier sibling) pairs to zero
     for siblings in children(draft.parents).values():
         for j, child in enumerate(siblings):
             earlier = [tokens[s] for s in siblings[:j]]
             if len(set(earlier + [tokens[child]])) != j + 1:
-                raise ValueError(f"siblings drawn without replacement repeat a token ({tokens[child]})")
+                raise InputError(f"siblings drawn without replacement repeat a token ({tokens[child]})")
             removed_rows += [child] * len(earlier)
             removed_tokens += earlier
     rows = draft.draft_probs.clone()  # (n, vocab)

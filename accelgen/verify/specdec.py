@@ -18,13 +18,14 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import Draft, Verdict, to_device
+from accelgen.errors import InputError
 
 
 def check_specdec_options(beta, tau) -> None:
     if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
-        raise ValueError(f"specdec: beta (top-beta tokens accepted) must be an integer >= 1, got {beta!r}")
+        raise InputError(f"specdec: beta (top-beta tokens accepted) must be an integer >= 1, got {beta!r}")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
-        raise ValueError(f"specdec: tau (log-probability tolerance) must be a number >= 0, got {tau!r}")
+        raise InputError(f"specdec: tau (log-probability tolerance) must be a number >= 0, got {tau!r}")
 
 
 def relaxed_matches(target_logits: torch.Tensor, tokens: torch.Tensor, beta: int, tau: float) -> torch.Tensor:
@@ -46,7 +47,7 @@ def verify_specdec(draft: Draft, target_logits: torch.Tensor, beta: int, tau: fl
     """Spec-Verification of a chain draft; target_logits: (n+1, vocab), row i at the position of node i,
     row n after the last drafted token."""
     if not draft.is_chain:
-        raise ValueError("specdec verification needs a chain draft, not a tree")
+        raise InputError("specdec verification needs a chain draft, not a tree")
     n = len(draft)
     tokens = to_device(draft.tokens, target_logits.device)
     passes = relaxed_matches(target_logits[:n], tokens, beta, tau)

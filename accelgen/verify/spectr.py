@@ -33,6 +33,7 @@ import bisect
 import torch
 
 from accelgen.draft import ROOT, Draft, Verdict, children
+from accelgen.errors import InputError
 from accelgen.sampling import sample, uniforms
 
 BISECTION_STEPS = 16  # rho within (K - 1) / 2^16 of the best safe value: a negligible loss in acceptance
@@ -113,7 +114,7 @@ def verify_spectr(draft: Draft, target_probs: torch.Tensor, generator: torch.Gen
     this is Leviathan/Chen speculative sampling, draw for draw.
     """
     if len(draft) and draft.draft_probs is None:
-        raise ValueError("SpecTr verification needs the draft distributions (draft_probs) of sampled drafts")
+        raise InputError("SpecTr verification needs the draft distributions (draft_probs) of sampled drafts")
     tokens = draft.tokens.tolist()
     parents = draft.parents.tolist()
     kids = children(draft.parents)

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 
 from accelgen.draft import Draft, Verdict, depths, to_device
+from accelgen.errors import InputError
 
 
 def check_typical_options(epsilon, delta) -> None:
     for name, value in (("epsilon", epsilon), ("delta", delta)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value:
-            raise ValueError(f"typical acceptance: {name} must be a number >= 0, got {value!r}")
+            raise InputError(f"typical acceptance: {name} must be a number >= 0, got {value!r}")
 
 
 def typical_passes(target_logits: torch.Tensor, draft: Draft, epsilon: float, delta: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import accelgen
-from accelgen.bench.audit import TIE_ULPS, audit, classify, first_difference, tie_tolerance, ulp
+from accelgen.bench.audit import audit, classify, first_difference
+from accelgen.bench.near_tie import TIE_ULPS, is_near_tie, tie_tolerance, ulp
 
 
 def logits_with(values: dict[int, float], vocab: int = 16, rest: float = -5.0) -> torch.Tensor:
@@ -57,6 +58,14 @@ def test_method_token_far_down_the_ranking_is_an_error_even_if_the_top_two_tie()
 def test_float32_divergence_is_always_an_error():
     divergence = classify(logits_with({3: 16.125, 7: 16.125}), 0, 3, 7, torch.float32)
     assert divergence.classification == "error" and "float32" in divergence.reason
+
+
+def test_is_near_tie_is_the_rule_the_classifier_applies():
+    logits = logits_with({3: 16.5, 7: 16.125, 9: 15.0})
+    assert is_near_tie(logits, 3, 7, torch.bfloat16)  # 3 ulps below the best
+    assert not is_near_tie(logits, 3, 9, torch.bfloat16)  # 12 ulps below
+    assert not is_near_tie(logits, 3, 7, torch.float32)
+    assert is_near_tie(logits, 3, 9, None, tolerance=1.5)  # an engine's own tolerance (llama.cpp)
 
 
 @pytest.mark.parametrize("baseline, other, expected", [

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 import accelgen.models
 from accelgen.cli import app
+from accelgen.errors import InputError
 
 runner = CliRunner()
 
@@ -51,7 +52,7 @@ def loads(monkeypatch):
 
     def load_model(name, *args, **kwargs):
         asked[name] = kwargs.get("device")
-        raise ValueError("not loaded in this test")
+        raise InputError("not loaded in this test")  # as a model that cannot be loaded
 
     monkeypatch.setattr(accelgen.models, "load_model", load_model)
     return asked

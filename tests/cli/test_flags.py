@@ -10,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from accelgen.cli.flags import REQUIRED, Flags, command, flag
+from accelgen.errors import InputError
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Config:
 
     def __post_init__(self):
         if self.steps < 1:
-            raise ValueError("steps must be positive")
+            raise InputError("steps must be positive")
 
 
 def invoke(*arguments: str, defaults: Optional[dict] = None):
@@ -68,3 +69,16 @@ def test_a_flag_declared_twice_is_refused():
 
     with pytest.raises(ValueError, match="declared twice"):
         command(lambda *parts: None, Flags(Config), Flags(Again))
+
+
+def test_a_renamed_flag_keeps_its_old_name_hidden():
+    seen = []
+    app = typer.Typer()
+    app.command("run")(command(lambda config: seen.append(config), Flags(Config, renamed={"steps": "--num-steps"})))
+    app.command("other")(lambda: None)
+    assert CliRunner().invoke(app, ["run", "--num-steps", "3"]).exit_code == 0
+    old = CliRunner().invoke(app, ["run", "--steps", "4"])  # still works, with a note
+    assert old.exit_code == 0 and "--steps is now --num-steps" in old.output
+    assert seen == [Config(3, 1e-3), Config(4, 1e-3)]
+    help_text = CliRunner().invoke(app, ["run", "--help"]).output
+    assert "--num-steps" in help_text and "--steps" not in help_text

@@ -50,7 +50,7 @@ def task(tmp_path_factory):
     return folder
 
 
-TINY = ["--width", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--feedforward", "64",
+TINY = ["--width", "32", "--attention-heads", "2", "--encoder-layers", "1", "--decoder-layers", "1", "--feedforward", "64",
         "--max-source-len", "96", "--max-target-len", "12", "--batch-size", "8", "--eval-every", "2"]
 
 

@@ -92,7 +92,7 @@ def test_a_damaged_checkpoint_is_named_not_aborted(command_inputs, tmp_path):
     checkpoint = tmp_path / "heads" / medusa_training.CHECKPOINT
     checkpoint.parent.mkdir()
     checkpoint.write_bytes(b"")  # what a kill during an in-place write left
-    result = CliRunner().invoke(app, ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--heads", "2",
+    result = CliRunner().invoke(app, ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--num-heads", "2",
                                       "--windows", "4", "--held-out", "1", "--seq-len", "12", "--steps", "2",
                                       "--batch-size", "16", "--draft-vocab", "0", "--out", str(checkpoint.parent)])
     printed = "".join(result.output.split())  # without the console's line breaks
@@ -102,7 +102,7 @@ def test_a_damaged_checkpoint_is_named_not_aborted(command_inputs, tmp_path):
 
 def test_the_command_trains_evaluates_saves_and_shares_a_feature_cache(command_inputs, tmp_path):
     folder, dataset = command_inputs(4)
-    arguments = ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--heads", "3", "--windows", "6",
+    arguments = ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--num-heads", "3", "--windows", "6",
                  "--held-out", "2", "--seq-len", "12", "--steps", "5", "--batch-size", "16", "--draft-vocab", "300"]
     result = CliRunner().invoke(app, [*arguments, "--out", str(tmp_path / "heads")])
     assert result.exit_code == 0, result.output
@@ -120,7 +120,7 @@ def test_eval_every_records_a_learning_curve_that_resumes(command_inputs, tmp_pa
     from accelgen.train.curves import CURVE_JSON
 
     folder, dataset = command_inputs(4)
-    arguments = ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--heads", "3", "--windows", "6",
+    arguments = ["train", "medusa", "--model", str(folder), "--dataset", dataset, "--num-heads", "3", "--windows", "6",
                  "--held-out", "2", "--seq-len", "12", "--batch-size", "16", "--draft-vocab", "300",
                  "--eval-every", "2", "--checkpoint-every", "2", "--out", str(tmp_path / "heads")]
     result = CliRunner().invoke(app, [*arguments, "--steps", "4"])

@@ -1,5 +1,5 @@
-"""`accelgen train ...`: what some methods need before they pay, trained on this CPU. One module per trainer, its
-flags generated from its dataclasses (accelgen/cli/flags.py):
+"""`accelgen train ...`: what some methods need before they pay, trained on the CPU or a GPU. One module per trainer,
+its flags generated from its dataclasses (accelgen/cli/flags.py):
 
     layerskip      fine-tune so that early exits become accurate (train/layerskip.py)
     exit-heads     exit adapters and CALM's classifiers on a frozen model (train/exit_heads.py)
@@ -19,8 +19,7 @@ flags generated from its dataclasses (accelgen/cli/flags.py):
 
 from __future__ import annotations
 
-import typer
-
+from accelgen.cli.flags import App
 from accelgen.cli.train import mpee
 from accelgen.cli.train import bita, space  # (mask tokens: train/mask_tokens.py)
 from accelgen.cli.train import (cllm, consistent_ee, distillspec, eagle, exit_heads, layerskip, medusa, online,
@@ -28,7 +27,7 @@ from accelgen.cli.train import (cllm, consistent_ee, distillspec, eagle, exit_he
 from accelgen.cli.train import nar as nar_trainer
 from accelgen.cli.train import speed as speed_trainer
 
-train_app = typer.Typer(no_args_is_help=True, help="Train what some methods need, on this CPU.")
+train_app = App(no_args_is_help=True, help="Train what some methods need (on the CPU or a GPU).")
 
 train_app.command("layerskip")(layerskip.layerskip_command)
 train_app.command("exit-heads")(exit_heads.exit_heads_command)

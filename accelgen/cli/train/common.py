@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import console, set_threads
 from accelgen.cli.flags import REQUIRED, flag
+from accelgen.errors import InputError
 from accelgen.train.loop import is_main_process, main_process_first, training_device
 
 TARGET_WEIGHTS_HELP = ("Weight format of the frozen target: fp32, bf16, int8 or int4 (weight-only quantized). "
@@ -40,7 +41,7 @@ def draft_flag(help: str) -> Any:
 
 
 def out_flag(help: str) -> Any:
-    return flag(REQUIRED, help, "-o")
+    return flag(REQUIRED, help)  # no -o: that is --option, a method option, in every command
 
 
 def threads_flag() -> Any:
@@ -93,7 +94,7 @@ class FeaturesRun(FrozenTargetRun):
 
     def __post_init__(self):
         if self.extract_format not in EXTRACT_FORMATS:
-            raise ValueError(f"--extract-format {self.extract_format}: choose one of {', '.join(EXTRACT_FORMATS)}")
+            raise InputError(f"--extract-format {self.extract_format}: choose one of {', '.join(EXTRACT_FORMATS)}")
 
 
 @contextlib.contextmanager
@@ -129,7 +130,7 @@ def hidden_states_for(model: str, dataset: str, layers: str | None, windows: int
     count = target_model.config.num_hidden_layers
     chosen = check_exit_layers(None if layers is None else layers.split(","), count)
     if count - 1 in chosen:
-        raise ValueError(f"layer {count - 1} is the last layer: it needs no exit head")
+        raise InputError(f"layer {count - 1} is the last layer: it needs no exit head")
     with console.status(f"hidden states of {data.numel():,} positions at layers {chosen} …"):
         return (target_model, chosen, collect_hidden_states(target_model, data[held_out:], chosen),
                 collect_hidden_states(target_model, data[:held_out], chosen))
@@ -145,7 +146,7 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     from accelgen.train.layerskip import packed_windows
 
     if weights not in (None, "fp32", "bf16", "int8", "int4"):
-        raise ValueError(f"--weights {weights}: training needs the PyTorch model; choose fp32, bf16, int8 or int4")
+        raise InputError(f"--weights {weights}: training needs the PyTorch model; choose fp32, bf16, int8 or int4")
     set_threads(threads)
     texts = dataset_texts(dataset)  # a dataset that is not there is named before the model loads
     for part in dataset.split(","):
@@ -157,7 +158,7 @@ def model_and_windows(model: str, dtype: str | None, dataset: str, seq_len: int,
     with console.status("tokenizing …"):
         data = packed_windows(tokenizer, texts, seq_len, windows + held_out)
     if len(data) <= held_out:
-        raise ValueError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
+        raise InputError(f"the dataset gave {len(data)} windows; more than --held-out {held_out} are needed")
     return target_model, tokenizer, data
 
 

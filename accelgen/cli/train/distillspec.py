@@ -28,7 +28,8 @@ class DistillSpecRun:
     steps: int = flag(40)
     prompts: int = flag(64, "Training prompts, cycled through.")
     held_out: int = flag(8, "Prompts kept out of training, to measure α on before and after.")
-    max_new_tokens: int = flag(64, "Tokens the draft generates per prompt, and per held-out prompt when measuring α.")
+    max_new_tokens: int = flag(64, "Tokens the draft generates per prompt, and per held-out prompt when measuring α.",
+                               "-n")
     batch_size: int = flag(4, "Sequences per step.")
     learning_rate: float = flag(5e-6)
     train_layers: Optional[int] = flag(None, "Train the draft's last N decoder layers (default: all); embeddings "

@@ -12,6 +12,7 @@ from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import (FeaturesRun, features_flag, out_flag, save_evaluation, trained_head,
                                        windows_and_features)
+from accelgen.errors import InputError
 from accelgen.train.eagle import EagleConfig
 from accelgen.train.loop import ScaleOut, is_main_process
 
@@ -36,7 +37,7 @@ class EagleRun(FeaturesRun):
     def __post_init__(self):
         super().__post_init__()
         if self.resume_from is not None and Path(self.resume_from).resolve() == Path(self.out).resolve():
-            raise ValueError("--resume-from and --out are the same folder: give the further trained head another --out")
+            raise InputError("--resume-from and --out are the same folder: give the further trained head another --out")
 
 
 def eagle(run: EagleRun, config: EagleConfig, scale: ScaleOut) -> None:

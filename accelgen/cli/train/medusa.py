@@ -66,4 +66,5 @@ def medusa(run: MedusaRun, config: MedusaConfig, scale: ScaleOut) -> None:
                   f"in {training['seconds']:.0f}s); use: --method medusa -o heads={run.out} (or --method blockwise)")
 
 
-medusa_command = command(medusa, Flags(MedusaRun), Flags(MedusaConfig), Flags(ScaleOut))
+medusa_command = command(medusa, Flags(MedusaRun), Flags(MedusaConfig, renamed={"heads": "--num-heads"}),
+                         Flags(ScaleOut))

@@ -19,19 +19,19 @@ class NARRun:
     method: str = flag(REQUIRED, "ar, nat, enat, refine, mask-predict, nat-crf, sat, synst, latent, flowseq, "
                                  "bert-nar or curriculum (`accelgen nar methods`).")
     task: Path = flag(REQUIRED, "A folder made by `accelgen nar data` (and `accelgen nar distill`).")
-    out: Path = flag(REQUIRED, "Folder for the model (and its checkpoint: a rerun resumes).", "-o")
+    out: Path = flag(REQUIRED, "Folder for the model (and its checkpoint: a rerun resumes).")
     target: str = flag("teacher", "Train on the teacher's summaries (sequence-level distillation) or the original "
                                   "docstrings.")
     examples: int = flag(0, "Train on the first N training examples only (0: all).", min=0)
-    option: Optional[list[str]] = flag(None, "Method option NAME=VALUE (repeatable), e.g. group_size=4 for sat.")
+    option: Optional[list[str]] = flag(None, "Method option NAME=VALUE (repeatable), e.g. group_size=4 for sat.", "-o")
     width: int = flag(256, "Backbone width.", min=8)
-    heads: int = flag(4, min=1)
-    encoder_layers: int = flag(3, min=1)
-    decoder_layers: int = flag(3, min=1)
-    feedforward: int = flag(1024, min=8)
+    heads: int = flag(4, "Attention heads per layer.", min=1)
+    encoder_layers: int = flag(3, "Encoder layers.", min=1)
+    decoder_layers: int = flag(3, "Decoder layers.", min=1)
+    feedforward: int = flag(1024, "Width of each layer's feed-forward block.", min=8)
     max_source_len: int = flag(256, "Source tokens the encoder reads (longer functions are cut).", min=8)
     max_target_len: int = flag(32, "Summary tokens (longer summaries are cut).", min=2)
-    dropout: float = flag(0.1)
+    dropout: float = flag(0.1, "Dropout while training.")
     threads: Optional[int] = flag(None, "torch CPU threads (default: torch's).", min=1)
 
 
@@ -80,4 +80,5 @@ def train_nar(run: NARRun, settings: TrainSettings, scale: ScaleOut) -> None:
                   f"\"def f(x): ...\"")
 
 
-nar_command = command(train_nar, Flags(NARRun), Flags(TrainSettings), Flags(ScaleOut))
+nar_command = command(train_nar, Flags(NARRun, renamed={"heads": "--attention-heads"}), Flags(TrainSettings),
+                      Flags(ScaleOut))

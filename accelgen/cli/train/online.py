@@ -15,6 +15,7 @@ from accelgen.cli.common import FILE_ERRORS, console, reported_errors
 from accelgen.cli.flags import REQUIRED, Flags, command, flag
 from accelgen.cli.train.common import (TARGET_HELP, check_device_flag, device_flag, draft_flag, model_flag, out_flag,
                                        progress_bar, target_and_trainable_draft, threads_flag)
+from accelgen.errors import InputError
 
 
 @dataclass
@@ -26,8 +27,8 @@ class OnlineRun:
     out: Path = out_flag("Folder for online.json, online.png (and --save-draft).")
     requests: int = flag(40, "Requests in the stream.")
     interval: int = flag(5, "Update the draft after every N requests.")
-    max_new_tokens: int = flag(64)
-    gamma: int = flag(5)
+    max_new_tokens: int = flag(64, "Tokens generated per request.", "-n")
+    gamma: int = flag(5, "Draft length.")
     update_steps: int = flag(4, "AdamW steps per update.")
     learning_rate: float = flag(1e-5)
     divergence: str = flag("fkl", "fkl, rkl or tvd.")
@@ -58,7 +59,7 @@ def online(run: OnlineRun) -> None:
         check_divergence(run.divergence)
         stream = load_dataset(run.dataset, limit=run.requests)
         if not stream:
-            raise ValueError(f"dataset {run.dataset!r} has no prompts")
+            raise InputError(f"dataset {run.dataset!r} has no prompts")
         target_model, tokenizer, draft_model, draft_tokenizer, saved_dtype = target_and_trainable_draft(
             run.model, run.draft, run.dtype, run.threads, run.device)
         baseline_draft = copy.deepcopy(draft_model) if run.baseline else None

@@ -13,6 +13,7 @@ from accelgen.atomic import write_json_atomically
 from accelgen.cli.common import FILE_ERRORS, console, load_with_progress, reported_errors, set_threads
 from accelgen.cli.flags import Flags, command, flag
 from accelgen.cli.train.common import check_device_flag, device_flag, model_flag, out_flag, progress_bar, threads_flag
+from accelgen.errors import InputError
 from accelgen.skeleton.router import RouterConfig
 from accelgen.train.loop import ScaleOut, is_main_process, main_process_first
 
@@ -21,15 +22,16 @@ from accelgen.train.loop import ScaleOut, is_main_process, main_process_first
 class SotRouterRun:
     model: str = model_flag("qwen2.5-coder-0.5b", "The model SoT runs on (the router reads its features).")
     weights: Optional[str] = flag("bf16", "Weight format of --model: fp32, bf16, int8 or int4.")
-    labeller: str = flag("qwen2.5-coder-1.5b", "The model asked the paper's router prompt, for the labels.")
-    labeller_weights: Optional[str] = flag("bf16", "Weight format of --labeller.")
+    labeller: str = flag("qwen2.5-coder-1.5b", "The model asked the paper's router prompt, for the labels (the judge "
+                                               "of `accelgen bench-sot`).")
+    labeller_weights: Optional[str] = flag("bf16", "Weight format of --judge.")
     sharegpt: int = flag(96, "ShareGPT questions to label.", min=0)
     humaneval: int = flag(32, "HumanEval prompts to label.", min=0)
     skip: int = flag(16, "Questions of each dataset left out first (the benchmark's: `accelgen bench-sot`).", min=0)
     labels: Optional[Path] = flag(None, "The labels' cache file (default: OUT/labels.json); a rerun reuses it.")
     out: Path = out_flag("Folder for the router (then: accelgen sot --router OUT).")
     threads: Optional[int] = threads_flag()
-    device: Optional[str] = device_flag("Where the labeller answers and the model reads the questions: cpu, cuda, "
+    device: Optional[str] = device_flag("Where the judge answers and the model reads the questions: cpu, cuda, "
                                         "cuda:N or auto (default: cpu); the router trains where accelerate puts it.")
 
     def __post_init__(self):
@@ -47,7 +49,7 @@ def router_questions(run: SotRouterRun) -> tuple[list[str], list[str]]:
             questions += texts
             sources += [name] * len(texts)
     if len(questions) < 2:
-        raise ValueError("ask for at least 2 questions (--sharegpt, --humaneval)")
+        raise InputError("ask for at least 2 questions (--sharegpt, --humaneval)")
     return questions, sources
 
 
@@ -104,4 +106,7 @@ def sot_router(run: SotRouterRun, config: RouterConfig, scale: ScaleOut) -> None
     console.print(f"router → {run.out}; use: accelgen sot --model {run.model} --router {run.out} \"...\"")
 
 
-sot_router_command = command(sot_router, Flags(SotRouterRun), Flags(RouterConfig), Flags(ScaleOut))
+# the labelling model is --judge, as in bench-sot, which asks it the same router prompt (--labeller: its old name)
+sot_router_command = command(sot_router, Flags(SotRouterRun, renamed={"labeller": "--judge",
+                                                                      "labeller_weights": "--judge-weights"}),
+                             Flags(RouterConfig), Flags(ScaleOut))

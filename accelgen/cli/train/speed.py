@@ -17,6 +17,7 @@ from accelgen.cli.train.common import (
     progress_bar,
     threads_flag,
 )
+from accelgen.errors import InputError
 from accelgen.train.loop import ScaleOut, is_main_process
 from accelgen.train.speed import SpeedModelConfig
 
@@ -46,7 +47,7 @@ def speed_model(run: SpeedModelRun, config: SpeedModelConfig, scale: ScaleOut) -
             windows = packed_windows(tokenizer, dataset_texts(run.dataset), config.seq_len,
                                      config.steps * config.batch_size + run.held_out)
         if len(windows) <= run.held_out:
-            raise ValueError(f"the dataset gave {len(windows)} windows; more than --held-out {run.held_out} are needed")
+            raise InputError(f"the dataset gave {len(windows)} windows; more than --held-out {run.held_out} are needed")
         held, training = windows[: run.held_out], windows[run.held_out :]
         model = new_model(len(tokenizer), config)
         with progress_bar(config.steps) as show:
@@ -67,4 +68,5 @@ def speed_model(run: SpeedModelRun, config: SpeedModelConfig, scale: ScaleOut) -
                   f"{metrics['exit_agrees_with_last']:.1%}; use --model {run.out} --method speed")
 
 
-speed_model_command = command(speed_model, Flags(SpeedModelRun), Flags(SpeedModelConfig), Flags(ScaleOut))
+speed_model_command = command(speed_model, Flags(SpeedModelRun),
+                              Flags(SpeedModelConfig, renamed={"heads": "--attention-heads"}), Flags(ScaleOut))
